@@ -1,0 +1,105 @@
+// pybind11 module `sparsecomm._C`: thin dispatch from Python to the kernels.
+//
+// Arguments are raw addresses (torch's data_ptr()) plus dtype codes: the module
+// never links libtorch, so it builds anywhere with a C++17 compiler. Buffers
+// are validated by sparsecomm/ops.py; ids are bounds-checked again here before
+// any write. The GIL is released while kernels run so that communication
+// threads keep going.
+#include <pybind11/pybind11.h>
+
+#include "ops.h"
+
+namespace py = pybind11;
+using namespace sparsecomm;
+
+namespace {
+
+template <typename T = void>
+T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
+
+struct CoalescePlan {
+  RowGroups groups;
+  IndexType index_type;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "sparsecomm CPU row kernels (C++/OpenMP)";
+
+  py::class_<CoalescePlan>(m, "CoalescePlan")
+      .def_property_readonly("num_unique", [](const CoalescePlan& p) { return p.groups.num_groups(); });
+
+  m.def("coalesce_plan",
+        [](uintptr_t ids, int index_code, int64_t n, int64_t num_rows, int threads) {
+          auto plan = std::make_unique<CoalescePlan>();
+          plan->index_type = to_index_type(index_code);
+          py::gil_scoped_release release;
+          plan->groups = group_rows(ptr(ids), plan->index_type, n, num_rows, threads);
+          return plan;
+        },
+        py::arg("ids"), py::arg("index_code"), py::arg("n"), py::arg("num_rows"), py::arg("threads"),
+        "Sort ids stably and find the groups of equal ids.");
+
+  m.def("coalesce_apply",
+        [](const CoalescePlan& plan, uintptr_t values, int value_code, int64_t d, uintptr_t out_ids,
+           uintptr_t out_values, int threads) {
+          const ValueType vt = to_value_type(value_code);
+          py::gil_scoped_release release;
+          coalesce_apply(plan.groups, ptr(values), vt, d, ptr(out_ids), plan.index_type, ptr(out_values), threads);
+        },
+        py::arg("plan"), py::arg("values"), py::arg("value_code"), py::arg("d"), py::arg("out_ids"),
+        py::arg("out_values"), py::arg("threads"),
+        "Write the plan's unique ids and each group's row sum.");
+
+  m.def("partition_rows",
+        [](uintptr_t ids, int index_code, int64_t n, uintptr_t values, size_t row_bytes, int scheme,
+           int64_t num_owners, int64_t range_size, int64_t stride, uintptr_t counts, uintptr_t out_ids,
+           uintptr_t out_values, uintptr_t perm, int threads) {
+          const IndexType it = to_index_type(index_code);
+          if (scheme != 0 && scheme != 1) throw std::invalid_argument("sparsecomm: unknown partition scheme");
+          const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
+          py::gil_scoped_release release;
+          partition_rows(ptr(ids), it, n, ptr(values), row_bytes, map, ptr<int64_t>(counts), ptr(out_ids),
+                         ptr(out_values), ptr<int64_t>(perm), threads);
+        },
+        py::arg("ids"), py::arg("index_code"), py::arg("n"), py::arg("values"), py::arg("row_bytes"),
+        py::arg("scheme"), py::arg("num_owners"), py::arg("range_size"), py::arg("stride"), py::arg("counts"),
+        py::arg("out_ids"), py::arg("out_values"), py::arg("perm"), py::arg("threads"),
+        "Stable counting sort of rows by owner; values/perm may be 0 (skipped).");
+
+  m.def("row_owner",
+        [](int64_t id, int scheme, int64_t num_owners, int64_t range_size, int64_t stride) {
+          return row_owner(id, OwnerMap{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride});
+        },
+        "Owner of one id (for tests and diagnostics).");
+
+  m.def("gather_rows",
+        [](uintptr_t table, int64_t num_rows, size_t row_bytes, uintptr_t ids, int index_code, int64_t n,
+           uintptr_t out, int threads) {
+          const IndexType it = to_index_type(index_code);
+          py::gil_scoped_release release;
+          gather_rows(ptr(table), num_rows, row_bytes, ptr(ids), it, n, ptr(out), threads);
+        },
+        py::arg("table"), py::arg("num_rows"), py::arg("row_bytes"), py::arg("ids"), py::arg("index_code"),
+        py::arg("n"), py::arg("out"), py::arg("threads"));
+
+  m.def("scatter_add_rows",
+        [](uintptr_t table, int64_t num_rows, int value_code, int64_t d, uintptr_t ids, int index_code,
+           int64_t n, uintptr_t values, int threads) {
+          const ValueType vt = to_value_type(value_code);
+          const IndexType it = to_index_type(index_code);
+          py::gil_scoped_release release;
+          scatter_add_rows(ptr(table), num_rows, vt, d, ptr(ids), it, n, ptr(values), threads);
+        },
+        py::arg("table"), py::arg("num_rows"), py::arg("value_code"), py::arg("d"), py::arg("ids"),
+        py::arg("index_code"), py::arg("n"), py::arg("values"), py::arg("threads"));
+
+  m.def("openmp_enabled", [] {
+#ifdef _OPENMP
+    return true;
+#else
+    return false;
+#endif
+  });
+}

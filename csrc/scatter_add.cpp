@@ -1,0 +1,56 @@
+// scatter-add rows: table[ids[i]] += values[i], duplicates allowed.
+//
+// Every table row is updated by exactly one thread, which applies that row's
+// updates in input order: no atomics, no races, and a result that is bitwise
+// the same for any thread count.
+//  - float32/float64: thread t owns the rows with id % T == t and walks the
+//    ids once, applying its own (no sort: values are read in input order).
+//  - float16/bfloat16: rows are grouped by id first so each row's updates are
+//    summed in float32 and rounded once, not once per update.
+#include "ops.h"
+#include "segment_reduce.h"
+
+namespace sparsecomm {
+
+namespace {
+
+template <typename T>
+void scatter_add_owned(T* table, int64_t d, const void* ids, IndexType it, int64_t n, const T* values,
+                       int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    int t = 0, nt = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t id = load_id(ids, it, i);
+      if (id % nt != t) continue;
+      T* dst = table + id * d;
+      const T* src = values + i * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] += src[j];
+    }
+  }
+}
+
+}  // namespace
+
+void scatter_add_rows(void* table, int64_t num_rows, ValueType vt, int64_t d, const void* ids, IndexType it,
+                      int64_t n, const void* values, int threads) {
+  threads = clamp_threads(threads);
+  if (vt == ValueType::kFloat32 || vt == ValueType::kFloat64) {
+    check_ids(ids, it, n, num_rows, threads, "ids");  // before any write
+    if (d == 0 || n == 0) return;
+    if (vt == ValueType::kFloat32)
+      scatter_add_owned(static_cast<float*>(table), d, ids, it, n, static_cast<const float*>(values), threads);
+    else
+      scatter_add_owned(static_cast<double*>(table), d, ids, it, n, static_cast<const double*>(values), threads);
+    return;
+  }
+  const RowGroups groups = group_rows(ids, it, n, num_rows, threads);
+  if (d == 0 || n == 0) return;
+  SPARSECOMM_DISPATCH_VALUE(vt, [&] { reduce_groups<V>(groups, values, d, table, true, true, threads); });
+}
+
+}  // namespace sparsecomm

@@ -1,0 +1,24 @@
+"""``python -m sparsecomm.bench BENCHMARK [options]`` (also the ``sparsecomm-bench`` script)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional, Sequence
+
+BENCHMARKS = {
+    "kernels": "sparsecomm.bench.kernels",
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: python -m sparsecomm.bench {{{','.join(BENCHMARKS)}}} [options]  (--help per benchmark)")
+        return 2
+    importlib.import_module(BENCHMARKS[argv[0]]).run(argv[1:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Row kernels against plain torch references: random, skewed, empty, every dtype."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparsecomm import _C, ops
+from sparsecomm.synthetic import zipf_ids
+
+VALUE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INDEX_DTYPES = [torch.int32, torch.int64]
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _tol(dtype, terms=1):
+    # fp16/bf16 results are rounded once from a float32 sum.
+    return {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype] * terms
+
+
+def _ref_coalesce(ids, values):
+    uniq, inv = torch.unique(ids.long(), return_inverse=True)
+    acc = torch.zeros((len(uniq), *values.shape[1:]), dtype=torch.float64)
+    acc.index_add_(0, inv, values.double())
+    return uniq, acc
+
+
+@st.composite
+def row_inputs(draw, max_n=300):
+    n = draw(st.integers(0, max_n))
+    num_rows = draw(st.integers(1, 5000))
+    skew = draw(st.sampled_from(["uniform", "zipf", "one_row", "few"]))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    if skew == "zipf":
+        ids = zipf_ids(n, num_rows, alpha=1.2, seed=seed)
+    elif skew == "one_row":
+        ids = torch.full((n,), draw(st.integers(0, num_rows - 1)), dtype=torch.int64)
+    elif skew == "few":
+        ids = torch.randint(0, min(num_rows, 3), (n,), generator=g)
+    else:
+        ids = torch.randint(0, num_rows, (n,), generator=g)
+    ids = ids.to(draw(st.sampled_from(INDEX_DTYPES)))
+    width = draw(st.sampled_from([(1,), (3,), (7,), (16,), (2, 5)]))
+    dtype = draw(st.sampled_from(VALUE_DTYPES))
+    values = torch.randn((n, *width), generator=g, dtype=torch.float64).to(dtype)
+    return ids, values, num_rows
+
+
+@SETTINGS
+@given(row_inputs(max_n=3000))
+def test_coalesce_matches_reference(inp):
+    ids, values, num_rows = inp
+    out_ids, out_values = ops.coalesce_rows(ids, values, num_rows)
+    ref_ids, ref_values = _ref_coalesce(ids, values)
+    assert out_ids.dtype == ids.dtype and out_values.dtype == values.dtype
+    assert out_values.shape == (len(ref_ids), *values.shape[1:])
+    assert torch.equal(out_ids.long(), ref_ids)
+    # Tolerance scales with the number of terms of the largest group.
+    terms = int(torch.bincount(ids.long()).max()) if len(ids) else 1
+    err = (out_values.double() - ref_values).abs()
+    bound = _tol(values.dtype, terms) * (1 + ref_values.abs())
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+@SETTINGS
+@given(row_inputs(max_n=2000), st.integers(1, 7), st.sampled_from(["hash", "range"]), st.integers(1, 3))
+def test_partition_is_stable_grouping_by_owner(inp, num_owners, scheme, stride):
+    ids, values, num_rows = inp
+    part = ops.partition_rows(ids, values, num_owners, scheme, num_rows, stride=stride)
+    owners = torch.tensor([_C.row_owner(int(i), 0 if scheme == "hash" else 1, num_owners,
+                                        -(-num_rows // num_owners), stride) for i in ids.tolist()],
+                          dtype=torch.int64)
+    # Independent reference: a stable sort by owner.
+    ref_perm = torch.sort(owners, stable=True).indices if len(ids) else torch.empty(0, dtype=torch.int64)
+    assert torch.equal(part.perm, ref_perm)
+    assert torch.equal(part.ids, ids[ref_perm])
+    assert torch.equal(part.values, values[ref_perm])
+    assert torch.equal(part.counts, torch.bincount(owners, minlength=num_owners))
+    assert torch.equal(ops.row_owners(ids, num_owners, scheme, num_rows, stride=stride), owners)
+
+
+def test_range_scheme_gives_contiguous_blocks():
+    ids = torch.arange(10)
+    part = ops.partition_rows(ids, None, 3, "range", num_rows=10)  # blocks of ceil(10/3) = 4
+    assert part.counts.tolist() == [4, 4, 2]
+    assert part.values is None
+
+
+def test_hash_scheme_balances_zipf_ids():
+    ids = torch.unique(zipf_ids(200_000, 1_000_000, alpha=1.1, seed=3))
+    counts = ops.partition_rows(ids, None, 4, "hash").counts.double()
+    assert float(counts.max() / counts.mean()) < 1.05
+
+
+def test_hash_matches_splitmix64_reference():
+    def splitmix64(x):
+        m = (1 << 64) - 1
+        z = (x + 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return z ^ (z >> 31)
+
+    for i in [0, 1, 2, 12345, 2**31 - 1, 2**40 + 7]:
+        for n, stride in [(2, 1), (3, 1), (5, 2)]:
+            assert _C.row_owner(i, 0, n, 1, stride) == (splitmix64(i) // stride) % n
+
+
+@SETTINGS
+@given(row_inputs(max_n=1000))
+def test_gather_matches_index_select(inp):
+    ids, values, num_rows = inp
+    table = torch.randn((num_rows, *values.shape[1:]), dtype=torch.float64).to(values.dtype)
+    out = ops.gather_rows(table, ids)
+    assert torch.equal(out, table.index_select(0, ids.long()))
+
+
+@SETTINGS
+@given(row_inputs(max_n=2000))
+def test_scatter_add_matches_index_add(inp):
+    ids, values, num_rows = inp
+    table = torch.randn((num_rows, *values.shape[1:]), dtype=torch.float64).to(values.dtype)
+    ref = table.double().index_add(0, ids.long(), values.double())
+    out = ops.scatter_add_rows(table, ids, values)
+    assert out is table
+    terms = 1 + (int(torch.bincount(ids.long()).max()) if len(ids) else 0)
+    err = (table.double() - ref).abs()
+    assert bool((err <= _tol(values.dtype, terms) * (1 + ref.abs())).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_types_round_once(dtype):
+    # 1000 tiny updates to one row: per-update rounding in fp16/bf16 would stall.
+    ids = torch.zeros(1000, dtype=torch.int64)
+    values = torch.full((1000, 4), 1e-3, dtype=dtype)
+    expected = (values.float().sum(0)).to(dtype)
+    _, summed = ops.coalesce_rows(ids, values)
+    assert torch.equal(summed[0], expected)
+    table = torch.ones(1, 4, dtype=dtype)
+    ops.scatter_add_rows(table, ids, values)
+    assert torch.equal(table[0], (1 + values.float().sum(0)).to(dtype))
+
+
+@pytest.mark.parametrize("value_dtype", VALUE_DTYPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_empty_inputs(value_dtype, index_dtype):
+    ids = torch.empty(0, dtype=index_dtype)
+    values = torch.empty(0, 5, dtype=value_dtype)
+    u, s = ops.coalesce_rows(ids, values)
+    assert u.shape == (0,) and s.shape == (0, 5)
+    part = ops.partition_rows(ids, values, 3)
+    assert part.counts.tolist() == [0, 0, 0] and part.values.shape == (0, 5)
+    table = torch.randn(4, 5).to(value_dtype)
+    assert ops.gather_rows(table, ids).shape == (0, 5)
+    before = table.clone()
+    ops.scatter_add_rows(table, ids, values)
+    assert torch.equal(table, before)
+
+
+def test_large_zipf_coalesce_against_reference():
+    # Big enough for the radix path and several threads.
+    ids = zipf_ids(200_000, 1_000_000, alpha=1.1, seed=1)
+    values = torch.randn(200_000, 8)
+    u, s = ops.coalesce_rows(ids, values)
+    ref_u, ref_s = _ref_coalesce(ids, values)
+    assert torch.equal(u, ref_u)
+    assert torch.allclose(s.double(), ref_s, atol=1e-3, rtol=1e-4)
+
+
+def test_wide_ids_take_64_bit_radix_path():
+    ids = torch.tensor([2**40, 5, 2**33, 5, 2**40] * 1000, dtype=torch.int64)
+    values = torch.ones(5000, 2)
+    u, s = ops.coalesce_rows(ids, values)
+    assert u.tolist() == [5, 2**33, 2**40]
+    assert s[:, 0].tolist() == [2000, 1000, 2000]
+
+
+@pytest.mark.parametrize("dtype", VALUE_DTYPES)
+def test_coalesce_and_scatter_add_are_deterministic_across_thread_counts(dtype):
+    ids = zipf_ids(100_000, 5_000, alpha=1.1, seed=7)
+    values = torch.randn(100_000, 9).to(dtype)
+    table = torch.randn(5_000, 9).to(dtype)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in [1, 2, 3, 4]:
+            torch.set_num_threads(threads)
+            u, s = ops.coalesce_rows(ids, values)
+            t = ops.scatter_add_rows(table.clone(), ids, values)
+            results.append((u, s, t))
+    finally:
+        torch.set_num_threads(old)
+    for u, s, t in results[1:]:
+        assert torch.equal(u, results[0][0])
+        assert torch.equal(s.view(torch.uint8), results[0][1].view(torch.uint8))  # bitwise
+        assert torch.equal(t.view(torch.uint8), results[0][2].view(torch.uint8))
+
+
+def test_nan_and_inf_propagate():
+    ids = torch.tensor([1, 1, 2])
+    values = torch.tensor([[float("nan")], [1.0], [float("inf")]])
+    u, s = ops.coalesce_rows(ids, values)
+    assert torch.isnan(s[0]).all() and torch.isinf(s[1]).all()
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("bad", [-1, 10])
+def test_out_of_range_ids_raise_and_leave_table_untouched(bad):
+    table = torch.randn(10, 3)
+    before = table.clone()
+    ids = torch.tensor([0, 3, bad])
+    values = torch.ones(3, 3)
+    with pytest.raises(ValueError, match="outside"):
+        ops.scatter_add_rows(table, ids, values)
+    assert torch.equal(table, before)
+    with pytest.raises(ValueError, match="outside"):
+        ops.gather_rows(table, ids)
+    with pytest.raises(ValueError, match="outside"):
+        ops.coalesce_rows(ids, values, num_rows=10)
+    with pytest.raises(ValueError, match="outside"):
+        ops.partition_rows(ids, values, 2, "range", num_rows=10)
+    half = torch.randn(10, 3).half()
+    with pytest.raises(ValueError, match="outside"):
+        ops.scatter_add_rows(half, ids, values.half())
+
+
+def test_negative_ids_rejected_without_bound():
+    with pytest.raises(ValueError, match="outside"):
+        ops.coalesce_rows(torch.tensor([-5, 1]), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="outside"):
+        ops.partition_rows(torch.tensor([-5, 1]), None, 2)
+
+
+def test_type_errors_name_the_argument():
+    with pytest.raises(TypeError, match="ids must be int32 or int64"):
+        ops.coalesce_rows(torch.tensor([1.0]), torch.ones(1, 1))
+    with pytest.raises(TypeError, match="values must be float32"):
+        ops.coalesce_rows(torch.tensor([1]), torch.ones(1, 1, dtype=torch.int64))
+    with pytest.raises(TypeError, match="ids must be a torch.Tensor"):
+        ops.gather_rows(torch.ones(2, 2), [0, 1])
+    with pytest.raises(TypeError, match="table dtype"):
+        ops.scatter_add_rows(torch.ones(2, 2), torch.tensor([0]), torch.ones(1, 2, dtype=torch.float64))
+
+
+def test_value_errors_name_the_argument():
+    with pytest.raises(ValueError, match="values has 2 rows but ids has 3"):
+        ops.coalesce_rows(torch.tensor([1, 2, 3]), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="ids must be contiguous"):
+        ops.coalesce_rows(torch.arange(6)[::2], torch.ones(3, 1))
+    with pytest.raises(ValueError, match="values must be contiguous"):
+        ops.coalesce_rows(torch.arange(3), torch.ones(3, 8)[:, ::2])
+    with pytest.raises(ValueError, match="ids must be 1-D"):
+        ops.gather_rows(torch.ones(2, 2), torch.zeros(1, 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="values rows have shape"):
+        ops.scatter_add_rows(torch.ones(4, 2), torch.tensor([0]), torch.ones(1, 3))
+    with pytest.raises(ValueError, match="num_owners"):
+        ops.partition_rows(torch.tensor([1]), None, 0)
+    with pytest.raises(ValueError, match="scheme"):
+        ops.partition_rows(torch.tensor([1]), None, 2, "modulo")
+    with pytest.raises(ValueError, match="needs num_rows"):
+        ops.partition_rows(torch.tensor([1]), None, 2, "range")
+    with pytest.raises(ValueError, match="dense"):
+        ops.gather_rows(torch.ones(2, 2).to_sparse(), torch.tensor([0]))
+
+
+def test_openmp_is_compiled_in():
+    assert _C.openmp_enabled()
+    assert isinstance(np.__version__, str)
