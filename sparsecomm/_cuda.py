@@ -327,7 +327,8 @@ def partition_rows(
     counts = torch.zeros(num_owners, dtype=torch.int64, device=ids.device)
     if n == 0:
         empty_values = None if values is None else values.new_empty((0, values.shape[1]))
-        return counts, ids.new_empty(0), empty_values, torch.empty(0, dtype=torch.int64, device=ids.device)
+        perm = torch.empty(0, dtype=torch.int64, device=ids.device)
+        return counts, ids.new_empty(0), empty_values, perm
     owners = torch.empty(n, dtype=torch.int32, device=ids.device)
     block_bins = num_owners <= _MAX_BLOCK_BINS
     _launch(

@@ -143,8 +143,8 @@ def coalesce_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: Optional[in
     _check_values(values, "values", ids.shape[0], ids.device)
     if ids.is_cuda:
         _check_cuda_ids(ids, num_rows)
-        return _cuda().coalesce_rows(ids, values.reshape(ids.shape[0], -1) if values.numel() else
-                                     values.reshape(ids.shape[0], _row_width(values)))
+        out_ids, sums = _cuda().coalesce_rows(ids, values.reshape(ids.shape[0], _row_width(values)))
+        return out_ids, sums.view((out_ids.shape[0], *values.shape[1:]))
     plan = _C.coalesce_plan(ids.data_ptr(), _INDEX_CODE[ids.dtype], ids.shape[0],
                             -1 if num_rows is None else int(num_rows), _threads())
     u = plan.num_unique

@@ -142,7 +142,8 @@ def test_kernel_names_appear_in_source(name):
     source = (CUDA_DIR / name).read_text()
     for kernel in cuda.KERNELS[name]:
         parts = kernel.split("_")
-        stem_len = next(i for i in range(len(parts), 0, -1) if "_".join(parts[:i]) + "_##" in source)
+        stem_len = next((i for i in range(len(parts), 0, -1) if "_".join(parts[:i]) + "_##" in source), 0)
+        assert stem_len, f"no SPARSECOMM_ macro in {name} pastes a name for {kernel}"
         for suffix in parts[stem_len:]:
             assert re.search(rf"SPARSECOMM_DEFINE_\w+\([^)]*\b{suffix}\b", source), (kernel, suffix)
 

@@ -1,0 +1,84 @@
+"""Plain types shared by every layer: configs, topology, statistics. No communication here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+__all__ = ["PartitionScheme", "ReduceOp", "Topology", "SparseSyncStats"]
+
+
+class PartitionScheme(str, enum.Enum):
+    """How rows are assigned to owner ranks."""
+
+    HASH = "hash"    # splitmix64(id) mod N: balanced under Zipf skew (default)
+    RANGE = "range"  # contiguous blocks of ceil(V / N) rows
+
+
+class ReduceOp(str, enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: global rank/size and its node.
+
+    Ranks of a node are assumed contiguous: node ``rank // local_world_size``.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+@dataclass
+class SparseSyncStats:
+    """What one sparse synchronization did on this rank.
+
+    Bytes count payload put on / taken off the wire by this rank, including
+    the small metadata exchanges; a rank's messages to itself are not counted.
+    ``*_inter_node`` counts only messages between different nodes.
+    """
+
+    world_size: int = 1
+    rows_in: int = 0          # rows (nnz) of the input tensor
+    rows_local: int = 0       # after local coalescing (k)
+    rows_out: int = 0         # union of all ranks' rows (U)
+    row_bytes: int = 0        # bytes of one value row
+    index_bytes: int = 0      # bytes of one id on the wire
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    bytes_sent_inter_node: int = 0
+    bytes_recv_inter_node: int = 0
+    hierarchical: bool = False
+    seconds: Dict[str, float] = field(default_factory=dict)
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def merge(self, other: "SparseSyncStats") -> None:
+        """Accumulate another call's counters into this one (e.g. per step)."""
+        for name in ("rows_in", "rows_local", "rows_out", "bytes_sent", "bytes_recv",
+                     "bytes_sent_inter_node", "bytes_recv_inter_node"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k, v in other.seconds.items():
+            self.add_time(k, v)
+
+
+def optional_int(value: Optional[str]) -> Optional[int]:
+    """Parse an environment variable as int, None when unset or empty."""
+    if value is None or value.strip() == "":
+        return None
+    return int(value)

@@ -1,0 +1,70 @@
+"""Run a function on N real processes (gloo over a FileStore) and re-raise a rank's failure here."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import traceback
+from typing import Any, Callable, Dict, Optional
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, env: Dict[str, str],
+           results, timeout_s: float) -> None:
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)  # N ranks share 2 cores
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        out = fn(rank, world_size, *args)
+        results[rank] = ("ok", out)
+        dist.barrier()  # without it gloo intermittently aborts at exit
+    except BaseException:
+        results[rank] = ("error", traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, env: Optional[Dict[str, str]] = None,
+              timeout_s: float = COLLECTIVE_TIMEOUT_S, join_timeout_s: float = 240) -> Dict[int, Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    Returns:
+        ``{rank: return value}`` (return values must be picklable).
+
+    Raises:
+        AssertionError: with the failing rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
+        results = manager.dict()
+        procs = [ctx.Process(target=_entry, args=(r, world_size, os.path.join(tmp, "store"), fn, args,
+                                                  env or {}, results, timeout_s), daemon=True)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(join_timeout_s)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        errors = {r: v[1] for r, v in results.items() if v[0] == "error"}
+        if errors:
+            r = min(errors)
+            raise AssertionError(f"rank {r} of {world_size} failed:\n{errors[r]}")
+        if hung:
+            raise AssertionError(f"ranks {hung} of {world_size} still running after {join_timeout_s}s")
+        missing = [r for r in range(world_size) if r not in results]
+        if missing:
+            codes = {r: procs[r].exitcode for r in missing}
+            raise AssertionError(f"ranks {missing} died without a result (exit codes {codes})")
+        return {r: v[1] for r, v in results.items()}

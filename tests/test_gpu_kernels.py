@@ -1,0 +1,245 @@
+"""The CUDA row kernels against the CPU kernels, through ``sparsecomm.ops``.
+
+Each op runs on the same inputs on the GPU and on the CPU; results must be
+bitwise equal (both sum every group in input order, fp16/bf16 in float32 with
+one rounding), for every value and id dtype, d = 1, odd and wide rows, empty
+inputs and Zipf-skewed ids with heavy duplication.
+
+Skipped without a CUDA device or without CuPy.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("cupy", reason="needs CuPy (pip install sparsecomm[gpu])")
+
+from sparsecomm import ops  # noqa: E402
+from sparsecomm.synthetic import zipf_ids  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+VALUE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+ID_DTYPES = (torch.int32, torch.int64)
+WIDTHS = (1, 7, 128)
+KINDS = ("uniform", "zipf", "empty")
+NUM_ROWS = 1000
+CUDA = torch.device("cuda")
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bit patterns, so that equality means bitwise equality."""
+    t = t.detach().cpu().contiguous()
+    return t.view(_BITS[t.element_size()]) if t.dtype.is_floating_point else t
+
+
+def assert_bitwise_equal(actual, expected):
+    if expected is None:
+        assert actual is None
+        return
+    assert actual.dtype == expected.dtype
+    assert tuple(actual.shape) == tuple(expected.shape)
+    assert torch.equal(_bits(actual), _bits(expected))
+
+
+def make_ids(kind: str, id_dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    if kind == "empty":
+        return torch.empty(0, dtype=id_dtype)
+    if kind == "zipf":
+        # alpha 1.5: the hottest id takes a large share of the rows.
+        return zipf_ids(20_000, NUM_ROWS, alpha=1.5, seed=seed, dtype=id_dtype)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, NUM_ROWS, (5_000,), generator=g).to(id_dtype)
+
+
+def make_values(n: int, d: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, d, generator=g, dtype=torch.float64) * 4).to(dtype)
+
+
+CASES = list(itertools.product(VALUE_DTYPES, ID_DTYPES, WIDTHS, KINDS))
+
+
+def _case_id(case) -> str:
+    value_dtype, id_dtype, d, kind = case
+    return f"{str(value_dtype)[6:]}-{str(id_dtype)[6:]}-d{d}-{kind}"
+
+
+# ---- coalesce ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_coalesce_matches_cpu(case):
+    value_dtype, id_dtype, d, kind = case
+    ids = make_ids(kind, id_dtype)
+    values = make_values(ids.numel(), d, value_dtype)
+    expected_ids, expected_sums = ops.coalesce_rows(ids, values)
+    got_ids, got_sums = ops.coalesce_rows(ids.to(CUDA), values.to(CUDA))
+    assert got_ids.is_cuda and got_sums.is_cuda
+    assert_bitwise_equal(got_ids, expected_ids)
+    assert_bitwise_equal(got_sums, expected_sums)
+
+
+@pytest.mark.parametrize("value_dtype", VALUE_DTYPES, ids=str)
+def test_coalesce_is_bitwise_deterministic(value_dtype):
+    ids = zipf_ids(50_000, NUM_ROWS, alpha=1.2, seed=3).to(CUDA)
+    values = make_values(ids.numel(), 33, value_dtype).to(CUDA)
+    first = ops.coalesce_rows(ids, values)
+    second = ops.coalesce_rows(ids, values)
+    assert_bitwise_equal(second[0], first[0])
+    assert_bitwise_equal(second[1], first[1])
+
+
+def test_coalesce_keeps_row_shape():
+    ids = torch.tensor([4, 2, 4, 9])
+    values = make_values(4, 6, torch.float32).view(4, 2, 3)
+    expected = ops.coalesce_rows(ids, values)
+    got = ops.coalesce_rows(ids.to(CUDA), values.to(CUDA))
+    assert_bitwise_equal(got[1], expected[1])
+
+
+# ---- scatter-add -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_scatter_add_matches_cpu(case):
+    value_dtype, id_dtype, d, kind = case
+    ids = make_ids(kind, id_dtype)
+    values = make_values(ids.numel(), d, value_dtype)
+    table = make_values(NUM_ROWS, d, value_dtype, seed=2)
+    expected = ops.scatter_add_rows(table.clone(), ids, values)
+    table_gpu = table.to(CUDA)
+    got = ops.scatter_add_rows(table_gpu, ids.to(CUDA), values.to(CUDA))
+    assert got is table_gpu, "updates the table in place and returns it"
+    assert_bitwise_equal(got, expected)
+
+
+@pytest.mark.parametrize("value_dtype", VALUE_DTYPES, ids=str)
+def test_scatter_add_is_bitwise_deterministic(value_dtype):
+    ids = zipf_ids(50_000, NUM_ROWS, alpha=1.2, seed=4).to(CUDA)
+    values = make_values(ids.numel(), 33, value_dtype).to(CUDA)
+    table = make_values(NUM_ROWS, 33, value_dtype, seed=5).to(CUDA)
+    first = ops.scatter_add_rows(table.clone(), ids, values)
+    second = ops.scatter_add_rows(table.clone(), ids, values)
+    assert_bitwise_equal(second, first)
+
+
+# ---- gather ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_gather_matches_cpu(case):
+    value_dtype, id_dtype, d, kind = case
+    ids = make_ids(kind, id_dtype)
+    table = make_values(NUM_ROWS, d, value_dtype, seed=2)
+    expected = ops.gather_rows(table, ids)
+    assert_bitwise_equal(ops.gather_rows(table.to(CUDA), ids.to(CUDA)), expected)
+
+
+@pytest.mark.parametrize("value_dtype", VALUE_DTYPES, ids=str)
+def test_gather_from_an_offset_view(value_dtype):
+    # A view that starts one element in: the copy unit must shrink to stay aligned.
+    base = make_values(NUM_ROWS * 8 + 1, 1, value_dtype).to(CUDA).view(-1)
+    table = base[1:].view(NUM_ROWS, 8)
+    ids = make_ids("zipf", torch.int64).to(CUDA)
+    assert_bitwise_equal(ops.gather_rows(table, ids), table.cpu()[ids.cpu()])
+
+
+# ---- partition ---------------------------------------------------------------------
+
+PARTITION_CASES = list(
+    itertools.product(
+        ID_DTYPES,
+        ("hash", "range"),
+        (1, 4, 5000),  # 5000 owners: more bins than the kernel keeps in shared memory
+        (1, 3),
+        ("uniform", "zipf", "empty"),
+    )
+)
+
+
+@pytest.mark.parametrize(
+    "case", PARTITION_CASES, ids=lambda c: f"{str(c[0])[6:]}-{c[1]}-owners{c[2]}-stride{c[3]}-{c[4]}"
+)
+@pytest.mark.parametrize("with_values", (True, False), ids=("values", "ids-only"))
+def test_partition_matches_cpu(case, with_values):
+    id_dtype, scheme, num_owners, stride, kind = case
+    ids = make_ids(kind, id_dtype)
+    values = make_values(ids.numel(), 5, torch.bfloat16) if with_values else None
+    expected = ops.partition_rows(ids, values, num_owners, scheme, NUM_ROWS, stride=stride)
+    got = ops.partition_rows(
+        ids.to(CUDA), None if values is None else values.to(CUDA), num_owners, scheme, NUM_ROWS, stride=stride
+    )
+    assert_bitwise_equal(got.counts, expected.counts)
+    assert_bitwise_equal(got.ids, expected.ids)
+    assert_bitwise_equal(got.values, expected.values)
+    assert_bitwise_equal(got.perm, expected.perm)
+
+
+def test_partition_hashes_large_ids_like_cpu():
+    # Ids past 2**32 exercise the full 64-bit splitmix64 path.
+    ids = torch.tensor([0, 1, 2**31 - 1, 2**32 + 5, 2**62 + 3, 2**63 - 1], dtype=torch.int64)
+    expected = ops.partition_rows(ids, None, 7)
+    got = ops.partition_rows(ids.to(CUDA), None, 7)
+    assert_bitwise_equal(got.counts, expected.counts)
+    assert_bitwise_equal(got.perm, expected.perm)
+
+
+# ---- streams, errors, large tables -------------------------------------------------------
+
+
+def test_runs_on_the_current_stream():
+    ids = make_ids("zipf", torch.int64)
+    values = make_values(ids.numel(), 64, torch.float32)
+    expected = ops.coalesce_rows(ids, values)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        ids_gpu, values_gpu = ids.to(CUDA, non_blocking=True), values.to(CUDA, non_blocking=True)
+        got = ops.coalesce_rows(ids_gpu, values_gpu)
+        gathered = ops.gather_rows(got[1], torch.arange(got[0].numel(), device=CUDA))
+    side.synchronize()
+    assert_bitwise_equal(got[1], expected[1])
+    assert_bitwise_equal(gathered, expected[1])
+
+
+@pytest.mark.parametrize("bad_id", (-1, NUM_ROWS), ids=("negative", "past-end"))
+def test_out_of_range_ids_raise(bad_id):
+    table = make_values(NUM_ROWS, 4, torch.float32).to(CUDA)
+    ids = torch.tensor([0, bad_id, 3], device=CUDA)
+    values = torch.ones(3, 4, device=CUDA)
+    with pytest.raises(ValueError):
+        ops.gather_rows(table, ids)
+    before = table.clone()
+    with pytest.raises(ValueError):
+        ops.scatter_add_rows(table, ids, values)
+    assert torch.equal(table, before), "a rejected scatter-add leaves the table untouched"
+    with pytest.raises(ValueError):
+        ops.coalesce_rows(ids, values, num_rows=NUM_ROWS)
+    with pytest.raises(ValueError):
+        ops.partition_rows(ids, values, 4, "range", NUM_ROWS)
+
+
+def test_offsets_beyond_32_bits():
+    # 2**20 rows of 2049 fp16 values: element offsets of the last rows pass 2**31.
+    rows, d = 2**20, 2049
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2**30:
+        pytest.skip("needs a GPU with >= 24 GiB")
+    table = torch.randn(rows, d, device=CUDA, dtype=torch.float16)
+    ids = torch.tensor([rows - 1, 0, rows - 1, rows - 2], device=CUDA)
+    assert torch.equal(ops.gather_rows(table, ids), table[ids])
+    values = torch.randn(4, d, device=CUDA, dtype=torch.float16)
+    old = table[[rows - 2, rows - 1]].float()
+    expected_last = ((old[1] + values[0].float()) + values[2].float()).half()
+    expected_prev = (old[0] + values[3].float()).half()
+    ops.scatter_add_rows(table, ids, values)
+    assert torch.equal(table[rows - 1], expected_last)
+    assert torch.equal(table[rows - 2], expected_prev)
+    del table
+    torch.cuda.empty_cache()
