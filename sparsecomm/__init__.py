@@ -1,6 +1,14 @@
-"""sparsecomm: sparsity-aware data-parallel communication for PyTorch."""
+"""sparsecomm: sparsity-aware data-parallel communication for PyTorch.
+
+Dense gradients go through allreduce; sparse (embedding) gradients through a
+partitioned parameter-server path: rows pushed to their owner ranks with
+all-to-all, summed there, and shared back.
+"""
 
 from sparsecomm import ops
+from sparsecomm.collectives import last_stats, sparse_allreduce
+from sparsecomm.types import PartitionScheme, SparseSyncStats, Topology
 
 __version__ = "0.1.0"
-__all__ = ["ops", "__version__"]
+__all__ = ["ops", "sparse_allreduce", "last_stats", "PartitionScheme", "SparseSyncStats", "Topology",
+           "__version__"]

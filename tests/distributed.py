@@ -15,7 +15,7 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, env: Dict[str, str],
-           results, timeout_s: float) -> None:
+           results, timeout_s: float, clean_exit: bool) -> None:
     os.environ.update(env)
     import torch
 
@@ -25,7 +25,8 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
     try:
         out = fn(rank, world_size, *args)
         results[rank] = ("ok", out)
-        dist.barrier()  # without it gloo intermittently aborts at exit
+        if clean_exit:
+            dist.barrier()  # without it gloo intermittently aborts at exit
     except BaseException:
         results[rank] = ("error", traceback.format_exc())
         raise
@@ -34,8 +35,12 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, env: Optional[Dict[str, str]] = None,
-              timeout_s: float = COLLECTIVE_TIMEOUT_S, join_timeout_s: float = 240) -> Dict[int, Any]:
+              timeout_s: float = COLLECTIVE_TIMEOUT_S, join_timeout_s: float = 240,
+              expect_dead: bool = False) -> Dict[int, Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    ``expect_dead``: some rank is meant to die; skip the closing barrier and
+    return what the survivors reported.
 
     Returns:
         ``{rank: return value}`` (return values must be picklable).
@@ -47,7 +52,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, env: Optional[Dict[str,
     with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
         results = manager.dict()
         procs = [ctx.Process(target=_entry, args=(r, world_size, os.path.join(tmp, "store"), fn, args,
-                                                  env or {}, results, timeout_s), daemon=True)
+                                                  env or {}, results, timeout_s, not expect_dead), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -64,7 +69,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, env: Optional[Dict[str,
         if hung:
             raise AssertionError(f"ranks {hung} of {world_size} still running after {join_timeout_s}s")
         missing = [r for r in range(world_size) if r not in results]
-        if missing:
+        if missing and not expect_dead:
             codes = {r: procs[r].exitcode for r in missing}
             raise AssertionError(f"ranks {missing} died without a result (exit codes {codes})")
         return {r: v[1] for r, v in results.items()}

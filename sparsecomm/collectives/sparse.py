@@ -44,7 +44,7 @@ def last_stats() -> Optional[SparseSyncStats]:
 def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
                      op: Union[str, ReduceOp] = "sum", async_op: bool = False, *,
                      scheme: Union[str, PartitionScheme] = "hash", local_world_size: Optional[int] = None,
-                     nonfinite: str = "raise", stats: Optional[SparseSyncStats] = None
+                     local_aggregation: bool = True, nonfinite: str = "raise", stats: Optional[SparseSyncStats] = None
                      ) -> Union[torch.Tensor, torch.futures.Future]:
     """Sum (or average) a sparse COO tensor over all ranks of ``group``.
 
@@ -65,8 +65,11 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
         scheme: row ownership, ``"hash"`` (balanced under skew) or ``"range"``.
         local_world_size: ranks per node for two-level aggregation. Default:
             what the launcher says (``LOCAL_WORLD_SIZE``, Open MPI, MPICH,
-            Slurm) for the default group, else 1 (flat). Must divide the
-            group size; every rank must pass the same value.
+            Slurm) for the default group, else 1. Must divide the group
+            size (else the exchange is flat); every rank must pass the same value.
+        local_aggregation: with several ranks per node, sum inside the node
+            before crossing nodes (default). False: one flat exchange (the
+            node layout still splits the byte counts into intra/inter-node).
         nonfinite: ``"raise"`` (default): any NaN/Inf in any rank's values
             raises ``ValueError`` on every rank before the exchange;
             ``"propagate"``: sum them like ``all_reduce`` does (e.g. for AMP's
@@ -99,20 +102,21 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
     n = dist.get_world_size(group)
     if local_world_size < 1 or n % local_world_size:
         local_world_size = 1  # uneven nodes: flat exchange is always correct
-    if 1 < local_world_size < n:
+    hierarchical = local_aggregation and 1 < local_world_size < n
+    if hierarchical:
         node_groups(group, local_world_size)  # collective creation, in the caller's program order
     stats = stats if stats is not None else SparseSyncStats()
 
     def job(g=group) -> torch.Tensor:
         global _last_stats
-        out = _sparse_allreduce(tensor, g, op, scheme.value, local_world_size, nonfinite, stats)
+        out = _sparse_allreduce(tensor, g, op, scheme.value, local_world_size, hierarchical, nonfinite, stats)
         _last_stats = stats
         return out
 
     if not async_op:
         return job()
     twin = twin_group(group)
-    if 1 < local_world_size < n:
+    if hierarchical:
         node_groups(twin, local_world_size)
     return run_async(lambda: job(twin))
 
@@ -179,7 +183,7 @@ def _check_meta(all_meta: List[List[int]], me: int, num_rows: int) -> None:
 
 
 def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op: ReduceOp, scheme: str,
-                      lws: int, nonfinite: str, stats: SparseSyncStats) -> torch.Tensor:
+                      lws: int, hierarchical: bool, nonfinite: str, stats: SparseSyncStats) -> torch.Tensor:
     clock = time.perf_counter
     t0 = clock()
     n, me = dist.get_world_size(group), dist.get_rank(group)
@@ -200,7 +204,7 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
         err = _ERR_RANGE
     elif nonfinite == "raise" and values.numel() and not bool(torch.isfinite(values).all()):
         err = _ERR_NONFINITE
-    meta = torch.tensor(_meta(tensor, op, scheme, lws, err), dtype=torch.int64, device=cdev)
+    meta = torch.tensor(_meta(tensor, op, scheme, lws if hierarchical else 1, err), dtype=torch.int64, device=cdev)
     all_meta = torch.empty(n * _META_LEN, dtype=torch.int64, device=cdev)
     dist.all_gather_into_tensor(all_meta, meta, group=group)
     stats.bytes_sent += 8 * _META_LEN * (n - 1)
@@ -219,7 +223,6 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
     range_size = max(1, -(-num_rows // n))
     common = dict(scheme=scheme, num_rows=num_rows, range_size=range_size, wire_ids=wire_ids, device=cdev,
                   stats=stats)
-    hierarchical = 1 < lws < n
     stats.hierarchical = hierarchical
     if hierarchical:
         local_pg, cross_pg = node_groups(group, lws)
@@ -255,6 +258,6 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
     ids, values = ops.coalesce_rows(ids, values, num_rows)
     stats.rows_out = ids.shape[0]
     out = torch.sparse_coo_tensor(_unlinear(ids.long(), sparse_shape), values, shape, dtype=tensor.dtype,
-                                  device=dev, is_coalesced=True)
+                                  device=dev, is_coalesced=True, check_invariants=False)
     stats.add_time("assemble", clock() - t4)
     return out
