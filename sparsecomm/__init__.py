@@ -7,8 +7,9 @@ all-to-all, summed there, and shared back.
 
 from sparsecomm import ops
 from sparsecomm.collectives import last_stats, sparse_allreduce
+from sparsecomm.collectives.bootstrap import init_distributed, shutdown, topology
 from sparsecomm.types import PartitionScheme, SparseSyncStats, Topology
 
 __version__ = "0.1.0"
-__all__ = ["ops", "sparse_allreduce", "last_stats", "PartitionScheme", "SparseSyncStats", "Topology",
+__all__ = ["ops", "init_distributed", "shutdown", "topology", "sparse_allreduce", "last_stats", "PartitionScheme", "SparseSyncStats", "Topology",
            "__version__"]

@@ -16,7 +16,10 @@ import torch.distributed as dist
 from sparsecomm import ops
 from sparsecomm.types import SparseSyncStats
 
-__all__ = ["wire_index_dtype", "all_to_all_rows", "exchange_counts", "push_to_owners", "allgather_rows"]
+# torch >= 2.13 renames all_gather_into_tensor (which then warns) to all_gather_single.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+__all__ = ["all_gather_single", "wire_index_dtype", "all_to_all_rows", "exchange_counts", "push_to_owners", "allgather_rows"]
 
 
 def wire_index_dtype(num_rows: int) -> torch.dtype:
@@ -126,7 +129,7 @@ def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
     """
     n = dist.get_world_size(group)
     counts = torch.empty(n, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(counts, torch.tensor([ids.shape[0]], dtype=torch.int64, device=device),
+    all_gather_single(counts, torch.tensor([ids.shape[0]], dtype=torch.int64, device=device),
                                 group=group)
     _count_bytes(stats, [8] * n, [8] * n, dist.get_rank(group), peer_node)
     recv_counts = counts.tolist()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
-from sparsecomm.collectives.exchange import allgather_rows, push_to_owners, wire_index_dtype
+from sparsecomm.collectives.exchange import all_gather_single, allgather_rows, push_to_owners, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device, env_local_world_size, node_groups, run_async, twin_group
 from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats
 
@@ -206,7 +206,7 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
         err = _ERR_NONFINITE
     meta = torch.tensor(_meta(tensor, op, scheme, lws if hierarchical else 1, err), dtype=torch.int64, device=cdev)
     all_meta = torch.empty(n * _META_LEN, dtype=torch.int64, device=cdev)
-    dist.all_gather_into_tensor(all_meta, meta, group=group)
+    all_gather_single(all_meta, meta, group=group)
     stats.bytes_sent += 8 * _META_LEN * (n - 1)
     stats.bytes_recv += 8 * _META_LEN * (n - 1)
     _check_meta(all_meta.view(n, _META_LEN).tolist(), me, num_rows)
