@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-__all__ = ["PartitionScheme", "ReduceOp", "Topology", "SparseSyncStats"]
+__all__ = ["PartitionScheme", "ReduceOp", "SyncMethod", "Topology", "SparseSyncStats"]
 
 
 class PartitionScheme(str, enum.Enum):
@@ -14,6 +14,14 @@ class PartitionScheme(str, enum.Enum):
 
     HASH = "hash"    # splitmix64(id) mod N: balanced under Zipf skew (default)
     RANGE = "range"  # contiguous blocks of ceil(V / N) rows
+
+
+class SyncMethod(str, enum.Enum):
+    """How a sparse gradient is synchronized."""
+
+    PARTITIONED = "partitioned"  # push rows to owners, sum there, share back (default)
+    ALLGATHER = "allgather"      # every rank gathers every rank's rows and sums locally (Horovod)
+    DENSIFY = "densify"          # scatter into the dense table and allreduce it (+ a row mask)
 
 
 class ReduceOp(str, enum.Enum):
@@ -49,8 +57,12 @@ class SparseSyncStats:
     """
 
     world_size: int = 1
+    method: str = "partitioned"
+    num_rows: int = 0         # rows of the (sparse part of the) table, V
     rows_in: int = 0          # rows (nnz) of the input tensor
     rows_local: int = 0       # after local coalescing (k)
+    rows_local_sum: int = 0   # k summed over all ranks (same on every rank)
+    rows_local_max: int = 0   # largest k of any rank
     rows_out: int = 0         # union of all ranks' rows (U)
     row_bytes: int = 0        # bytes of one value row
     index_bytes: int = 0      # bytes of one id on the wire
@@ -70,7 +82,7 @@ class SparseSyncStats:
 
     def merge(self, other: "SparseSyncStats") -> None:
         """Accumulate another call's counters into this one (e.g. per step)."""
-        for name in ("rows_in", "rows_local", "rows_out", "bytes_sent", "bytes_recv",
+        for name in ("rows_in", "rows_local", "rows_local_sum", "rows_out", "bytes_sent", "bytes_recv",
                      "bytes_sent_inter_node", "bytes_recv_inter_node"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.seconds.items():

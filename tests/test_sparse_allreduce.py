@@ -70,7 +70,12 @@ for i, (kind, dtype, dim, rows) in enumerate([
 ]):
     for scheme in ("hash", "range"):
         for op in ("sum", "avg"):
-            CASES.append(dict(kind=kind, dtype=dtype, dim=dim, rows=rows, seed=i, scheme=scheme, op=op))
+            CASES.append(dict(kind=kind, dtype=dtype, dim=dim, rows=rows, seed=i, scheme=scheme, op=op,
+                              method="partitioned"))
+    if rows <= 50_000:  # the densify path allocates the table
+        for method in ("allgather", "densify"):
+            CASES.append(dict(kind=kind, dtype=dtype, dim=dim, rows=rows, seed=i, scheme="hash", op="avg",
+                              method=method))
 
 
 def _check_result(case, out, world):
@@ -89,7 +94,8 @@ def _equivalence_worker(rank, world, lws):
     digests = []
     for case in CASES:
         t = make_input(case, rank, world)
-        out = sparsecomm.sparse_allreduce(t, op=case["op"], scheme=case["scheme"], local_world_size=lws)
+        out = sparsecomm.sparse_allreduce(t, op=case["op"], scheme=case["scheme"], local_world_size=lws,
+                                          method=case["method"])
         _check_result(case, out, world)
         if case["rows"] <= 50_000 and case["dtype"] in (torch.float32, torch.float64):
             # DDP's own reference: gloo's sparse all_reduce.

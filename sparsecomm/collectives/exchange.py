@@ -121,18 +121,23 @@ def push_to_owners(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
 
 def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist.ProcessGroup], *,
                    wire_ids: torch.dtype, device: torch.device, stats: Optional[SparseSyncStats] = None,
-                   peer_node: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                   peer_node: Optional[Sequence[int]] = None, counts: Optional[List[int]] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Give every rank of ``group`` the rows each rank holds (sizes may differ).
+
+    Args:
+        counts: every rank's row count, when already known (skips one exchange).
 
     Returns:
         ``(ids, values)`` of all ranks, concatenated in rank order.
     """
     n = dist.get_world_size(group)
-    counts = torch.empty(n, dtype=torch.int64, device=device)
-    all_gather_single(counts, torch.tensor([ids.shape[0]], dtype=torch.int64, device=device),
-                                group=group)
-    _count_bytes(stats, [8] * n, [8] * n, dist.get_rank(group), peer_node)
-    recv_counts = counts.tolist()
+    if counts is None:
+        gathered = torch.empty(n, dtype=torch.int64, device=device)
+        all_gather_single(gathered, torch.tensor([ids.shape[0]], dtype=torch.int64, device=device), group=group)
+        _count_bytes(stats, [8] * n, [8] * n, dist.get_rank(group), peer_node)
+        counts = gathered.tolist()
+    recv_counts = list(counts)
     # The same rows go to every peer: repeat them so one all-to-all sends exact sizes (no padding).
     rep_ids = ids.to(wire_ids).repeat(n)
     rep_values = values.repeat(n, *([1] * (values.dim() - 1)))

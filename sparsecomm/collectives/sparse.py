@@ -26,7 +26,7 @@ import torch.distributed as dist
 from sparsecomm import ops
 from sparsecomm.collectives.exchange import all_gather_single, allgather_rows, push_to_owners, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device, env_local_world_size, node_groups, run_async, twin_group
-from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats
+from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats, SyncMethod
 
 __all__ = ["sparse_allreduce", "last_stats"]
 
@@ -44,7 +44,8 @@ def last_stats() -> Optional[SparseSyncStats]:
 def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
                      op: Union[str, ReduceOp] = "sum", async_op: bool = False, *,
                      scheme: Union[str, PartitionScheme] = "hash", local_world_size: Optional[int] = None,
-                     local_aggregation: bool = True, nonfinite: str = "raise", stats: Optional[SparseSyncStats] = None
+                     local_aggregation: bool = True, method: Union[str, SyncMethod] = "partitioned",
+                     nonfinite: str = "raise", stats: Optional[SparseSyncStats] = None
                      ) -> Union[torch.Tensor, torch.futures.Future]:
     """Sum (or average) a sparse COO tensor over all ranks of ``group``.
 
@@ -70,6 +71,11 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
         local_aggregation: with several ranks per node, sum inside the node
             before crossing nodes (default). False: one flat exchange (the
             node layout still splits the byte counts into intra/inter-node).
+        method: ``"partitioned"`` (default, the path above), ``"allgather"``
+            (every rank gathers all rows and sums locally, as Horovod does:
+            cheaper for tiny batches) or ``"densify"`` (scatter into the
+            dense table and allreduce it with a row mask: cheaper when most
+            rows are touched). All three give the same rows and sums.
         nonfinite: ``"raise"`` (default): any NaN/Inf in any rank's values
             raises ``ValueError`` on every rank before the exchange;
             ``"propagate"``: sum them like ``all_reduce`` does (e.g. for AMP's
@@ -93,6 +99,7 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
     """
     op = ReduceOp(op)
     scheme = PartitionScheme(scheme)
+    method = SyncMethod(method)
     if nonfinite not in ("raise", "propagate"):
         raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
     _check_tensor(tensor)
@@ -102,14 +109,15 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
     n = dist.get_world_size(group)
     if local_world_size < 1 or n % local_world_size:
         local_world_size = 1  # uneven nodes: flat exchange is always correct
-    hierarchical = local_aggregation and 1 < local_world_size < n
+    hierarchical = method is SyncMethod.PARTITIONED and local_aggregation and 1 < local_world_size < n
     if hierarchical:
         node_groups(group, local_world_size)  # collective creation, in the caller's program order
     stats = stats if stats is not None else SparseSyncStats()
 
     def job(g=group) -> torch.Tensor:
         global _last_stats
-        out = _sparse_allreduce(tensor, g, op, scheme.value, local_world_size, hierarchical, nonfinite, stats)
+        out = _sparse_allreduce(tensor, g, op, method, scheme.value, local_world_size, hierarchical, nonfinite,
+                                stats)
         _last_stats = stats
         return out
 
@@ -147,13 +155,15 @@ def _unlinear(ids: torch.Tensor, sparse_shape: Sequence[int]) -> torch.Tensor:
     return torch.stack(rows[::-1]) if rows else ids.view(1, -1)
 
 
-def _meta(tensor: torch.Tensor, op: ReduceOp, scheme: str, lws: int, err: int) -> List[int]:
+def _meta(tensor: torch.Tensor, op: ReduceOp, method: SyncMethod, scheme: str, lws: int, err: int, k: int
+          ) -> List[int]:
     shape = list(tensor.shape)
     dims = (shape + [-1] * 8)[:8]
     digest = zlib.crc32(repr((shape, str(tensor.dtype))).encode())
     code = ops.VALUE_DTYPES.index(tensor.dtype)
     meta = [_MAGIC, code, len(shape), tensor.sparse_dim(), digest, *dims,
-            ["sum", "avg"].index(op.value), ["hash", "range"].index(scheme), lws, err]
+            ["sum", "avg"].index(op.value), ["hash", "range"].index(scheme), lws,
+            list(SyncMethod).index(method), err, k]
     return meta + [0] * (_META_LEN - len(meta))
 
 
@@ -161,29 +171,33 @@ def _describe(row: Sequence[int]) -> str:
     dims = [d for d in row[5:13] if d >= 0][: row[2]]
     return (f"shape={tuple(dims)}, dtype={ops.VALUE_DTYPES[row[1]] if 0 <= row[1] < 4 else row[1]}, "
             f"sparse_dim={row[3]}, op={['sum', 'avg'][row[13]]}, scheme={['hash', 'range'][row[14]]}, "
-            f"local_world_size={row[15]}")
+            f"local_world_size={row[15]}, method={list(SyncMethod)[row[16]].value}")
+
+
+_ERR_SLOT, _K_SLOT = 17, 18
 
 
 def _check_meta(all_meta: List[List[int]], me: int, num_rows: int) -> None:
     for r, row in enumerate(all_meta):
-        if row[16] == _ERR_RANGE:
+        if row[_ERR_SLOT] == _ERR_RANGE:
             raise ValueError(f"sparse_allreduce: rank {r} passed row ids outside [0, {num_rows}); "
                              f"nothing was exchanged")
-        if row[16] == _ERR_NONFINITE:
+        if row[_ERR_SLOT] == _ERR_NONFINITE:
             raise ValueError(f"sparse_allreduce: rank {r} passed NaN or Inf values (nonfinite='raise'); "
                              f"nothing was exchanged")
-    mine = all_meta[me][:16]
+    mine = all_meta[me][:_ERR_SLOT]
     for r, row in enumerate(all_meta):
         if row[0] != _MAGIC:
             raise ValueError(f"sparse_allreduce: rank {r} is not in a sparse_allreduce call "
                              f"(collective calls differ between ranks)")
-        if row[:16] != mine:
+        if row[:_ERR_SLOT] != mine:
             raise ValueError(f"sparse_allreduce: ranks disagree on the tensor: rank {me} has {_describe(mine)} "
                              f"but rank {r} has {_describe(row)}")
 
 
-def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op: ReduceOp, scheme: str,
-                      lws: int, hierarchical: bool, nonfinite: str, stats: SparseSyncStats) -> torch.Tensor:
+def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], op: ReduceOp,
+                      method: SyncMethod, scheme: str, lws: int, hierarchical: bool, nonfinite: str,
+                      stats: SparseSyncStats) -> torch.Tensor:
     clock = time.perf_counter
     t0 = clock()
     n, me = dist.get_world_size(group), dist.get_rank(group)
@@ -194,44 +208,79 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
     cdev = comm_device(group, dev)
     indices, values = tensor._indices(), tensor._values().contiguous()
     ids = _linear_ids(indices, sparse_shape)
-    stats.world_size, stats.rows_in = n, ids.shape[0]
+    stats.world_size, stats.rows_in, stats.num_rows, stats.method = n, ids.shape[0], num_rows, method.value
     stats.row_bytes = math.prod(values.shape[1:]) * values.element_size()
     wire_ids = wire_index_dtype(num_rows)
     stats.index_bytes = torch.empty(0, dtype=wire_ids).element_size()
 
+    # Bad input is found locally but reported through the metadata exchange,
+    # so every rank raises together instead of the others hanging.
     err = _ERR_OK
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
         err = _ERR_RANGE
     elif nonfinite == "raise" and values.numel() and not bool(torch.isfinite(values).all()):
         err = _ERR_NONFINITE
-    meta = torch.tensor(_meta(tensor, op, scheme, lws if hierarchical else 1, err), dtype=torch.int64, device=cdev)
+    if err == _ERR_OK:
+        ids, values = ops.coalesce_rows(ids, values, num_rows)
+    stats.rows_local = ids.shape[0]
+    t1 = clock()
+    stats.add_time("coalesce", t1 - t0)
+
+    meta = _meta(tensor, op, method, scheme, lws if hierarchical else 1, err, ids.shape[0])
     all_meta = torch.empty(n * _META_LEN, dtype=torch.int64, device=cdev)
-    all_gather_single(all_meta, meta, group=group)
+    all_gather_single(all_meta, torch.tensor(meta, dtype=torch.int64, device=cdev), group=group)
     stats.bytes_sent += 8 * _META_LEN * (n - 1)
     stats.bytes_recv += 8 * _META_LEN * (n - 1)
-    _check_meta(all_meta.view(n, _META_LEN).tolist(), me, num_rows)
-    t1 = clock()
-    stats.add_time("metadata", t1 - t0)
-
-    ids, values = ops.coalesce_rows(ids, values, num_rows)
-    stats.rows_local = ids.shape[0]
+    rows = all_meta.view(n, _META_LEN).tolist()
+    _check_meta(rows, me, num_rows)
+    all_k = [row[_K_SLOT] for row in rows]
+    stats.rows_local_sum, stats.rows_local_max = sum(all_k), max(all_k)
     t2 = clock()
-    stats.add_time("coalesce", t2 - t1)
+    stats.add_time("metadata", t2 - t1)
 
     half = values.dtype in (torch.float16, torch.bfloat16)
     sum_dtype = torch.float32 if half else values.dtype
+    stats.hierarchical = hierarchical
+    if method is SyncMethod.PARTITIONED:
+        ids, values = _partitioned(ids, values, group, n, lws, hierarchical, scheme, num_rows, wire_ids,
+                                   sum_dtype, op, cdev, stats, clock)
+    else:
+        if method is SyncMethod.DENSIFY:
+            ids, values = _densify_allreduce(ids, values, num_rows, group, cdev, stats)
+            values = values.to(sum_dtype)
+        else:
+            ids, values = allgather_rows(ids, values, group, wire_ids=wire_ids, device=cdev, stats=stats,
+                                         counts=all_k)
+            # Every rank sums the same rows in the same (rank) order: identical results everywhere.
+            ids, values = ops.coalesce_rows(ids, values.to(sum_dtype), num_rows)
+        if op is ReduceOp.AVG:
+            values.div_(n)
+        stats.add_time("exchange", clock() - t2)
+    values = values.to(tensor.dtype)
+    t3 = clock()
+
+    stats.rows_out = ids.shape[0]
+    out = torch.sparse_coo_tensor(_unlinear(ids.long(), sparse_shape), values, shape, dtype=tensor.dtype,
+                                  device=dev, is_coalesced=True, check_invariants=False)
+    stats.add_time("assemble", clock() - t3)
+    return out
+
+
+def _partitioned(ids, values, group, n, lws, hierarchical, scheme, num_rows, wire_ids, sum_dtype, op, cdev,
+                 stats, clock) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Push to owners, sum, share back: the rows of all ranks, summed, sorted."""
+    dtype = values.dtype
     range_size = max(1, -(-num_rows // n))
     common = dict(scheme=scheme, num_rows=num_rows, range_size=range_size, wire_ids=wire_ids, device=cdev,
                   stats=stats)
-    stats.hierarchical = hierarchical
+    t0 = clock()
     if hierarchical:
         local_pg, cross_pg = node_groups(group, lws)
         nodes_local = [0] * lws                    # every peer in my node group is on my node
         nodes_cross = list(range(n // lws))        # every peer in my cross group is on another node
         ids, values = push_to_owners(ids, values, local_pg, num_owners=lws, stride=1, sum_dtype=sum_dtype,
                                      peer_node=nodes_local, **common)
-        values = values.to(tensor.dtype)
-        ids, values = push_to_owners(ids, values, cross_pg, num_owners=n // lws, stride=lws,
+        ids, values = push_to_owners(ids, values.to(dtype), cross_pg, num_owners=n // lws, stride=lws,
                                      sum_dtype=sum_dtype, peer_node=nodes_cross, **common)
     else:
         peer_node = [r // lws for r in range(n)] if lws > 1 else None
@@ -239,10 +288,9 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
                                      peer_node=peer_node, **common)
     if op is ReduceOp.AVG:
         values.div_(n)
-    values = values.to(tensor.dtype)
-    t3 = clock()
-    stats.add_time("push+reduce", t3 - t2)
-
+    values = values.to(dtype)
+    t1 = clock()
+    stats.add_time("push+reduce", t1 - t0)
     if hierarchical:
         ids, values = allgather_rows(ids, values, cross_pg, wire_ids=wire_ids, device=cdev, stats=stats,
                                      peer_node=nodes_cross)
@@ -251,13 +299,28 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
     else:
         ids, values = allgather_rows(ids, values, group, wire_ids=wire_ids, device=cdev, stats=stats,
                                      peer_node=peer_node)
-    t4 = clock()
-    stats.add_time("pull", t4 - t3)
-
     # Owners' rows arrive owner by owner; one sort makes the result coalesced.
     ids, values = ops.coalesce_rows(ids, values, num_rows)
-    stats.rows_out = ids.shape[0]
-    out = torch.sparse_coo_tensor(_unlinear(ids.long(), sparse_shape), values, shape, dtype=tensor.dtype,
-                                  device=dev, is_coalesced=True, check_invariants=False)
-    stats.add_time("assemble", clock() - t4)
-    return out
+    stats.add_time("pull", clock() - t1)
+    return ids, values
+
+
+def _densify_allreduce(ids, values, num_rows, group, cdev, stats) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Scatter rows into the dense table, allreduce it and a row mask; return the union's rows."""
+    n = dist.get_world_size(group)
+    dense = torch.zeros((num_rows, *values.shape[1:]), dtype=values.dtype, device=cdev)
+    # The mask keeps rows whose sum is exactly zero: optimizers like SparseAdam
+    # treat "row present with zero gradient" differently from "row absent".
+    mask = torch.zeros(num_rows, dtype=torch.uint8, device=cdev)
+    dense[ids.to(cdev)] = values.to(cdev)
+    mask[ids.to(cdev)] = 1
+    works = [dist.all_reduce(dense, group=group, async_op=True),
+             dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=group, async_op=True)]
+    for w in works:
+        w.wait()
+    ring = 2 * (n - 1) / n if n > 1 else 0.0
+    for t in (dense, mask):
+        stats.bytes_sent += int(ring * t.numel() * t.element_size())
+        stats.bytes_recv += int(ring * t.numel() * t.element_size())
+    union = mask.nonzero().view(-1)
+    return union.to(ids.device), dense.index_select(0, union).to(values.device)
