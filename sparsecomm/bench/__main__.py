@@ -8,6 +8,8 @@ from typing import Optional, Sequence
 
 BENCHMARKS = {
     "kernels": "sparsecomm.bench.kernels",
+    "allreduce": "sparsecomm.bench.allreduce",
+    "sparse_sync": "sparsecomm.bench.sparse_sync",
 }
 
 
@@ -16,8 +18,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not argv or argv[0] not in BENCHMARKS:
         print(f"usage: python -m sparsecomm.bench {{{','.join(BENCHMARKS)}}} [options]  (--help per benchmark)")
         return 2
-    importlib.import_module(BENCHMARKS[argv[0]]).run(argv[1:])
-    return 0
+    result = importlib.import_module(BENCHMARKS[argv[0]]).run(argv[1:])
+    # Distributed benchmarks return their exit status (non-zero: a wrong result or a failed rank).
+    return result if isinstance(result, int) else 0
 
 
 if __name__ == "__main__":

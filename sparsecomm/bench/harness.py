@@ -18,7 +18,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["Contender", "Row", "time_interleaved", "print_table", "write_outputs"]
+__all__ = ["DTYPES", "Contender", "Row", "Stopwatch", "time_interleaved", "print_table", "write_outputs",
+           "parse_size", "format_size", "plot_rows"]
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
 
 
 @dataclass
@@ -46,6 +50,56 @@ class Row:
 def _sync(device: Optional[str]) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
+
+
+class Stopwatch:
+    """Seconds between :meth:`start` and :meth:`stop`: CUDA events on GPU, ``perf_counter`` on CPU.
+
+    On GPU the events are recorded on the current stream, so the time is the
+    device's time for the work queued in between (nccl-tests does the same);
+    :meth:`stop` waits for it.
+    """
+
+    def __init__(self, device: Optional[str] = None) -> None:
+        self.cuda = device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda")
+        if self.cuda:
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._begin.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            return self._begin.elapsed_time(self._end) / 1e3
+        return time.perf_counter() - self._t0
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count like nccl-tests does: ``8``, ``64K``, ``256M``, ``1G`` (powers of 1024)."""
+    t = str(text).strip().upper()
+    num = t.rstrip("KMGB")
+    unit = t[len(num):]
+    if unit not in _SIZE_UNITS or not num:
+        raise ValueError(f"not a size: {text!r} (use e.g. 8, 64K, 256M, 1G)")
+    return int(float(num) * _SIZE_UNITS[unit])
+
+
+def format_size(nbytes: float) -> str:
+    """Bytes as a short label: 8B, 64KB, 256MB."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g}{unit}"
+    return f"{nbytes:g}B"
 
 
 def time_interleaved(contenders: Sequence[Contender], warmup: int = 2, iters: int = 7,
@@ -137,3 +191,53 @@ def write_outputs(rows: Sequence[Row], json_path: Optional[str] = None, csv_path
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(data)
+
+
+def plot_rows(rows: Sequence[Row], path: str, x: str, y: str, series: str, panel: Optional[str] = None,
+              logx: bool = True, logy: bool = True, xlabel: Optional[str] = None, ylabel: Optional[str] = None,
+              title: str = "") -> None:
+    """Plot column ``y`` against ``x``, one line per value of ``series``, one subplot per value of ``panel``.
+
+    Rows whose ``x`` or ``y`` is not a positive number (an error, a skipped
+    method) are left out. Needs matplotlib (``pip install 'sparsecomm[bench]'``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit(f"--plot needs matplotlib: pip install 'sparsecomm[bench]' ({exc})") from exc
+
+    def num(v: Any) -> Optional[float]:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+    panels: List[Any] = []
+    for r in rows:
+        key = r.cols.get(panel) if panel else None
+        if key not in panels:
+            panels.append(key)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        names: List[Any] = []
+        for r in rows:
+            if (not panel or r.cols.get(panel) == key) and r.cols.get(series) not in names:
+                names.append(r.cols.get(series))
+        for name in names:
+            pts = sorted((num(r.cols.get(x)), num(r.cols.get(y))) for r in rows
+                         if r.cols.get(series) == name and (not panel or r.cols.get(panel) == key)
+                         and num(r.cols.get(x)) and num(r.cols.get(y)))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
+        if logx:
+            ax.set_xscale("log")
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel(xlabel or x)
+        ax.set_ylabel(ylabel or y)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.set_title(f"{title}{' - ' if title and panel else ''}{f'{panel}={key}' if panel else ''}", fontsize=10)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

