@@ -8,8 +8,9 @@ all-to-all, summed there, and shared back.
 from sparsecomm import ops
 from sparsecomm.collectives import last_stats, sparse_allreduce
 from sparsecomm.collectives.bootstrap import init_distributed, shutdown, topology
-from sparsecomm.types import PartitionScheme, SparseSyncStats, Topology
+from sparsecomm.hooks import SparseCommState, register, sparsecomm_hook
+from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod, Topology
 
 __version__ = "0.1.0"
-__all__ = ["ops", "init_distributed", "shutdown", "topology", "sparse_allreduce", "last_stats", "PartitionScheme", "SparseSyncStats", "Topology",
+__all__ = ["ops", "init_distributed", "shutdown", "topology", "sparse_allreduce", "last_stats", "register", "sparsecomm_hook", "SparseCommState", "SyncMethod", "PartitionScheme", "SparseSyncStats", "Topology",
            "__version__"]

@@ -1,0 +1,247 @@
+"""The DDP hook against DDP without it and against single-process training on the whole batch."""
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sparsecomm
+from sparsecomm.synthetic import zipf_ids
+
+from distributed import run_ranks
+
+V, D, B, L, STEPS = 60, 6, 5, 3, 20
+
+
+class Net(nn.Module):
+    """Sparse Embedding used twice (shared by two features), sparse EmbeddingBags (sum, mean), an MLP."""
+
+    def __init__(self, sparse=True, dense_layers=True):
+        super().__init__()
+        self.emb = nn.Embedding(V, D, sparse=sparse)
+        self.bag_sum = nn.EmbeddingBag(V, D, mode="sum", sparse=sparse)
+        self.bag_mean = nn.EmbeddingBag(V + 7, D, mode="mean", sparse=sparse)
+        self.mlp = nn.Sequential(nn.Linear(4 * D, 8), nn.Tanh(), nn.Linear(8, 1)) if dense_layers else None
+
+    def forward(self, a, b, bags):
+        h = torch.cat([self.emb(a), self.emb(b), self.bag_sum(bags), self.bag_mean(bags)], 1)
+        return self.mlp(h).squeeze(1) if self.mlp is not None else h.sum(1)
+
+
+def batch(rank, step, skew=True):
+    seed = 1000 * step + rank
+    a = zipf_ids(B, V, 1.2, seed=seed) if skew else torch.randint(0, V, (B,))
+    b = zipf_ids(B, V, 1.2, seed=seed + 77)
+    if rank == 1 and step % 4 == 0:
+        a = torch.full((B,), 3)  # every sample of this rank hits one row
+    bags = zipf_ids(B * L, V, 1.1, seed=seed + 99).view(B, L)
+    y = torch.randn(B, generator=torch.Generator().manual_seed(seed))
+    return a, b, bags, y
+
+
+def make_optimizers(model, kind):
+    sparse = [p for n, p in model.named_parameters() if not n.startswith("mlp")]
+    dense = [p for n, p in model.named_parameters() if n.startswith("mlp")]
+    if kind == "sgd":
+        return [torch.optim.SGD(model.parameters(), lr=0.2)]
+    if kind == "adagrad":
+        return [torch.optim.Adagrad(model.parameters(), lr=0.1)]
+    opts = [torch.optim.SparseAdam(sparse, lr=0.05)]
+    return opts + ([torch.optim.Adam(dense, lr=0.05)] if dense else [])
+
+
+def train_step(model, opts, data):
+    a, b, bags, y = data
+    for o in opts:
+        o.zero_grad(set_to_none=True)
+    loss = ((model(a, b, bags) - y) ** 2).mean()
+    loss.backward()
+    for o in opts:
+        o.step()
+
+
+def max_diff(m1, m2):
+    return max(float((p1.detach() - p2.detach()).abs().max()) for p1, p2 in zip(m1.parameters(), m2.parameters()))
+
+
+def _equivalence_worker(rank, world, variants):
+    out = {}
+    for kind in ("sgd", "adagrad", "adam"):
+        for name, options, tol in variants:
+            if name.endswith("compressed") and kind != "sgd":
+                # Adagrad/Adam turn any non-zero gradient into a step of about lr, so a
+                # gradient that rounds differently near zero moves a weight by lr: compare with SGD.
+                continue
+            options = dict(options)
+            torch.manual_seed(0)
+            base = Net(**options.pop("_net", {})) if "_net" in options else Net()
+            single = copy.deepcopy(base)
+            ours = DDP(copy.deepcopy(base))
+            state = sparsecomm.register(ours, **options)
+            ref = DDP(copy.deepcopy(base))
+            models = [(ours, make_optimizers(ours.module, kind)), (ref, make_optimizers(ref.module, kind)),
+                      (single, make_optimizers(single, kind))]
+            worst_ref = worst_single = 0.0
+            for step in range(STEPS):
+                mine = batch(rank, step)
+                train_step(ours, models[0][1], mine)
+                train_step(ref, models[1][1], mine)
+                everyone = [batch(r, step) for r in range(world)]
+                train_step(single, models[2][1], tuple(torch.cat(x) for x in zip(*everyone)))
+                worst_ref = max(worst_ref, max_diff(ours.module, ref.module))
+                worst_single = max(worst_single, max_diff(ours.module, single))
+                assert worst_ref <= tol and worst_single <= tol, (kind, name, step, worst_ref, worst_single)
+            out[(kind, name)] = (worst_ref, worst_single, dict(state.stats), {k: d.method.value for k, d in
+                                                                               state.decisions.items()})
+    return out
+
+
+VARIANTS = [
+    ("auto", {}, 2e-5),
+    ("partitioned-range", {"scheme": "range", "overrides": {"emb.weight": "partitioned",
+                                                            "bag_sum.weight": "partitioned"}}, 2e-5),
+    ("allgather", {"overrides": {"emb.weight": "allgather", "bag_sum.weight": "allgather",
+                                 "bag_mean.weight": "allgather"}}, 2e-5),
+    ("densify", {"overrides": {"emb.weight": "densify", "bag_sum.weight": "densify",
+                               "bag_mean.weight": "densify"}}, 2e-5),
+    ("bf16-compressed", {"compression": "bf16"}, 5e-2),
+]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_training_matches_ddp_and_single_process(world):
+    results = run_ranks(world, _equivalence_worker, VARIANTS)
+    res = results[0]
+    assert len(res) == 3 * len(VARIANTS) - 2
+    auto = res[("sgd", "auto")]
+    assert set(auto[2]) >= {"dense"} and any(k in auto[2] for k in ("partitioned", "allgather", "densify"))
+    assert set(auto[3]) == {"emb.weight", "bag_sum.weight", "bag_mean.weight"}  # the classifier decided
+    assert set(res[("sgd", "allgather")][2]) == {"dense", "allgather"}
+    assert set(res[("sgd", "densify")][2]) == {"dense", "densify"}
+    # Every rank made the same decisions.
+    for r in range(1, world):
+        assert {k: v[3] for k, v in results[r].items()} == {k: v[3] for k, v in res.items()}
+
+
+def _shapes_worker(rank, world):
+    """Only-sparse and only-dense models; an embedding unused in some steps; dense-gradient embeddings."""
+    checks = []
+    # Only sparse parameters.
+    torch.manual_seed(1)
+    base = Net(dense_layers=False)
+    ours, single = DDP(copy.deepcopy(base)), copy.deepcopy(base)
+    sparsecomm.register(ours)
+    o1, o2 = make_optimizers(ours.module, "sgd"), make_optimizers(single, "sgd")
+    for step in range(5):
+        train_step(ours, o1, batch(rank, step))
+        train_step(single, o2, tuple(torch.cat(x) for x in zip(*[batch(r, step) for r in range(world)])))
+    checks.append(("only-sparse", max_diff(ours.module, single)))
+
+    # Only dense parameters (and dense-gradient embeddings with the sparse-rows option).
+    for option in (False, True):
+        torch.manual_seed(2)
+        base = Net(sparse=False)
+        ours, ref = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+        state = sparsecomm.register(ours, sparse_dense_embeddings=option)
+        o1, o2 = make_optimizers(ours.module, "sgd"), make_optimizers(ref.module, "sgd")
+        for step in range(5):
+            train_step(ours, o1, batch(rank, step))
+            train_step(ref, o2, batch(rank, step))
+        checks.append((f"dense-embeddings-rows={option}", max_diff(ours.module, ref.module)))
+        assert ("dense-embedding-rows" in state.stats) == option
+
+    # A sparse table some steps do not use, on some ranks or on all (find_unused_parameters=True);
+    # plain DDP fails here ("Expected sparse gradient to be defined").
+    class TwoTables(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Embedding(V, D, sparse=True)
+            self.b = nn.Embedding(V, D, sparse=True)
+
+        def forward(self, x, use_b):
+            h = self.a(x)
+            return (h + self.b(x) if use_b else h).sum(1)
+
+    torch.manual_seed(3)
+    base = TwoTables()
+    ours, single = DDP(copy.deepcopy(base), find_unused_parameters=True), copy.deepcopy(base)
+    sparsecomm.register(ours)
+    opt1 = torch.optim.SparseAdam(ours.parameters(), lr=0.1)
+    opt2 = torch.optim.SparseAdam(single.parameters(), lr=0.1)
+    for step in range(6):
+        use = [(step % 3 == 1 and r == 0) or step == 5 for r in range(world)]
+        xs = [zipf_ids(B, V, 1.1, seed=step * 10 + r) for r in range(world)]
+        opt1.zero_grad(set_to_none=True)
+        (ours(xs[rank], use[rank]) ** 2).mean().backward()
+        if not any(use):
+            assert ours.module.b.weight.grad is None  # as in single-process training
+        opt1.step()
+        opt2.zero_grad(set_to_none=True)
+        loss = sum((single(xs[r], use[r]) ** 2).mean() for r in range(world)) / world
+        loss.backward()
+        opt2.step()
+    checks.append(("unused-table", max_diff(ours.module, single)))
+    return checks
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_model_shapes_and_unused_tables(world):
+    for name, diff in run_ranks(world, _shapes_worker)[0]:
+        assert diff < 2e-5, (name, diff)
+
+
+def _misuse_worker(rank, world):
+    model = DDP(Net())
+    state = sparsecomm.register(model)
+    errors = []
+    try:
+        sparsecomm.register(model)
+    except RuntimeError as e:
+        errors.append("twice" if "already registered" in str(e) else str(e))
+    try:
+        sparsecomm.register(Net())
+    except TypeError as e:
+        errors.append("not-ddp" if "DistributedDataParallel" in str(e) else str(e))
+    try:
+        sparsecomm.register(DDP(Net()), overrides={"nope.weight": "densify"})
+    except ValueError as e:
+        errors.append("unknown-param" if "nope.weight" in str(e) else str(e))
+    try:
+        sparsecomm.SparseCommState(compression="int8")
+    except ValueError as e:
+        errors.append("compression")
+    # NaN in a dense gradient raises on every rank (after the allreduce, so nobody hangs).
+    for p in model.module.mlp.parameters():
+        p.data.fill_(float("nan") if rank == 0 else 0.1)
+    try:
+        train_step(model, [torch.optim.SGD(model.parameters(), lr=0.1)], batch(rank, 0))
+    except Exception as e:  # raised through DDP's backward
+        errors.append("nan" if "NaN/Inf" in str(e) or "NaN or Inf" in str(e) else repr(e))
+    # The state pickles without its process group and keeps its counters.
+    clone = pickle.loads(pickle.dumps(state))
+    errors.append("pickle" if clone.process_group is None and clone.world_size == world else "bad pickle")
+    return errors
+
+
+def test_misuse_gives_clear_errors():
+    for errors in run_ranks(2, _misuse_worker).values():
+        assert errors == ["twice", "not-ddp", "unknown-param", "compression", "nan", "pickle"]
+
+
+def test_classifier_picks_by_bytes():
+    from sparsecomm.hooks import choose_method
+
+    # A handful of rows out of a million: allgather's few round trips win.
+    assert choose_method(4, 1_000_000, 64, 4, 4, rows_mean=10, union_rows=40).method.value == "allgather"
+    # Thousands of rows shared between ranks (Zipf): partitioned.
+    assert choose_method(4, 1_000_000, 64, 4, 4, rows_mean=10_000, union_rows=20_000).method.value == "partitioned"
+    # The same rows with no overlap between ranks: the allgather moves fewer bytes.
+    assert choose_method(4, 1_000_000, 64, 4, 4, rows_mean=10_000, union_rows=40_000).method.value == "allgather"
+    # Most of a small table touched: densify.
+    assert choose_method(4, 1_000, 64, 4, 2, rows_mean=900, union_rows=1_000).method.value == "densify"
+    assert choose_method(1, 1_000, 64, 4, 2, rows_mean=900, union_rows=1_000).method.value == "partitioned"
