@@ -22,10 +22,10 @@ from sparsecomm.bench.launch import EXIT_WRONG
 MPIRUN = shutil.which("mpirun")
 DENSE_COLS = {"world", "op", "size", "count", "dtype", "time_us", "algbw_GBs", "busbw_GBs", "#wrong"}
 SPARSE_COLS = {"world", "dist", "density", "union", "method", "MB/rank", "floor_MB", "bytes/floor", "time_ms",
-               "min_ms", "max_ms", "vs_dense", "vs_torch_sparse", "#wrong"}
+               "min_ms", "max_ms", "floor_ms", "time_vs_floor", "vs_dense", "vs_torch_sparse", "#wrong"}
 PEERS = ["dense", "torch_sparse", "allgather"]
-TINY_SPARSE = ["--rows", "3000", "--dim", "8", "--densities", "0.003,0.05", "-n", "2", "--dense-iters", "1",
-               "--timeout", "60"]
+TINY_SPARSE = ["--rows", "3000", "--dim", "8", "--densities", "0.003,0.05", "-w", "1", "-n", "2",
+               "--dense-iters", "1", "--link-bytes", "64K", "--timeout", "60"]
 TINY_DENSE = ["-b", "8", "-e", "64K", "-f", "32", "-n", "2", "-w", "1", "--timeout", "60"]
 
 
@@ -147,12 +147,13 @@ def test_sparse_sync_scaling_with_local_aggregation(tmp_path):
 
 def test_sparse_sync_under_torchrun_rank0_writes_outputs(tmp_path):
     js = tmp_path / "sparse.json"
-    out = _bench(["sparse_sync", *TINY_SPARSE, "--densities", "0.01", "--methods", "dense,sparsecomm",
+    methods = ["dense", "sparsecomm", "sparsecomm_allgather", "sparsecomm_densify"]
+    out = _bench(["sparse_sync", *TINY_SPARSE, "--densities", "0.01", "--methods", ",".join(methods),
                   "-d", "float64", "--json", str(js)],
                  launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"])
     assert out.returncode == 0, _fail(out)
     rows = _rows(js)
-    assert [r["method"] for r in rows] == ["dense", "sparsecomm"]
+    assert [r["method"] for r in rows] == methods
     assert all(r["world"] == 2 and r["#wrong"] == 0 for r in rows)
 
 

@@ -180,7 +180,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(argv or [])
     p = argparse.ArgumentParser(prog="sparsecomm.bench allreduce", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-b", "--minbytes", default="8", help="smallest size (default 8; K/M/G suffixes)")
+    p.add_argument("-b", "--minbytes", default="4", help="smallest size (default 4; K/M/G suffixes)")
     p.add_argument("-e", "--maxbytes", default="256M", help="largest size (default 256M)")
     p.add_argument("-f", "--stepfactor", type=float, default=4, help="multiply the size by this (default 4)")
     p.add_argument("-i", "--stepbytes", default="0", help="add this instead, when --stepfactor is 1")

@@ -16,6 +16,10 @@ over ranks; in one run, interleaved per round so machine noise hits all alike:
   sparsecomm_local  (d) the same with local aggregation over emulated nodes of
                         ``--lws`` ranks (only when 1 < lws < world size divides it)
 
+and, on request (``--methods``), sparse_allreduce's other paths, the ones its
+DDP hook may pick: ``sparsecomm_allgather`` (method="allgather") and
+``sparsecomm_densify`` (method="densify").
+
 Bytes per rank are sent + received, a rank's messages to itself excluded:
 (a) a ring allreduce, 2 x 2(n-1)/n V d b; (b) gloo's algorithm (coalesce,
 ring all-gather of 9 int64 of metadata per rank, ring all-gatherv of every
@@ -26,6 +30,9 @@ bytes of count and of max-nnz padded int64 ids and values, padding included;
 (n-1)/n (k + U) r per direction (``sparsecomm.cost_model``), doubled for sent
 + received, with r = d b + the id's bytes on the wire, k this rank's distinct
 rows and U the union. ``inter_MB`` is what crosses between emulated nodes.
+``floor_ms`` is the floor at the link speed measured first (the slowest
+rank's best even ``all_to_all_single`` of ``--link-bytes``, sent + received),
+``time_vs_floor`` the measured time over it: what latency and compute add.
 
 Every method's result is checked against a float64 sum of the touched rows
 computed from every rank's seeded input (``#wrong``: elements off by more
@@ -50,14 +57,17 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm
-from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, plot_rows
-from sparsecomm.bench.launch import add_launch_args, run_distributed
+from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, parse_size, plot_rows
+from sparsecomm.bench.launch import add_launch_args, gather_floats, run_distributed
 from sparsecomm.collectives.exchange import all_gather_single, wire_index_dtype
 from sparsecomm.cost_model import partitioned_floor_bytes
 from sparsecomm.synthetic import uniform_ids, zipf_ids
 from sparsecomm.types import SparseSyncStats
 
-METHODS = ("dense", "torch_sparse", "allgather", "sparsecomm", "sparsecomm_local")
+METHODS = ("dense", "torch_sparse", "allgather", "sparsecomm", "sparsecomm_local", "sparsecomm_allgather",
+           "sparsecomm_densify")
+DEFAULT_METHODS = METHODS[:5]
+DENSE_METHODS = ("dense", "sparsecomm_densify")  # slow at every density: timed --dense-iters rounds
 PEERS = ("dense", "torch_sparse", "allgather")
 VALUE_DTYPES = ("float32", "float64", "float16", "bfloat16")
 _GLOO_META_BYTES = 9 * 8  # gloo's SparseTensorMetadata: 9 int64 per rank
@@ -211,6 +221,16 @@ class Methods:
         return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, local_aggregation=True,
                                            stats=self.stats)
 
+    def run_sparsecomm_allgather(self) -> torch.Tensor:
+        self.stats = SparseSyncStats()
+        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method="allgather",
+                                           stats=self.stats)
+
+    def run_sparsecomm_densify(self) -> torch.Tensor:
+        self.stats = SparseSyncStats()
+        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method="densify",
+                                           stats=self.stats)
+
     # Bytes sent + received by this rank, and what of it crosses emulated nodes (None: not counted).
     def wire_bytes(self, name: str, distinct: Sequence[int]) -> Tuple[float, Optional[float]]:
         n, me = self.n, self.me
@@ -229,7 +249,10 @@ class Methods:
             per_rank = 8 + most * (8 + self.dim * esz)
             return 2.0 * (n - 1) * per_rank, None
         s = self.stats
-        return float(s.bytes_sent + s.bytes_recv), float(s.bytes_sent_inter_node + s.bytes_recv_inter_node)
+        # Only the partitioned path splits its counts by node, and only when lws divides the world.
+        split = name in ("sparsecomm", "sparsecomm_local") and self.n % self.lws == 0
+        return (float(s.bytes_sent + s.bytes_recv),
+                float(s.bytes_sent_inter_node + s.bytes_recv_inter_node) if split else None)
 
     def check(self, name: str, result: Any, ref: Reference, corrupt: bool) -> int:
         if corrupt:  # --corrupt: prove that the check notices a wrong result
@@ -269,13 +292,35 @@ def _time_case(methods: Methods, a: argparse.Namespace, ref: Reference
     for it in range(max(a.iters, a.dense_iters)):
         order = live[it % len(live):] + live[:it % len(live)] if live else []  # rotate: no favoured slot
         for name in order:
-            if (name == "dense" and it >= a.dense_iters) or (name != "dense" and it >= a.iters):
+            if it >= (a.dense_iters if name in DENSE_METHODS else a.iters):
                 continue
             dist.barrier()
             watch.start()
             methods.run(name)
             times[name].append(watch.stop())
     return times, wrong, nbytes, errors
+
+
+def link_rate(device: torch.device, nbytes: int, rounds: int = 3) -> float:
+    """Bytes per second one rank moves (sent + received) in an even ``all_to_all_single`` of ``nbytes``.
+
+    The all-to-all is the sparse path's own transport; its best round is the
+    link speed the byte floor is converted to time with.
+    """
+    n = dist.get_world_size()
+    if n == 1 or nbytes <= 0:
+        return 0.0
+    per_peer = max(1, nbytes // n)
+    send = torch.ones(per_peer * n, dtype=torch.uint8, device=device)
+    recv = torch.empty_like(send)
+    watch, best = Stopwatch(device.type), float("inf")
+    for _ in range(rounds + 1):
+        dist.barrier()
+        watch.start()
+        dist.all_to_all_single(recv, send)
+        best = min(best, watch.stop())
+    slowest = max(gather_floats(best))
+    return 2 * (n - 1) * per_peer / slowest
 
 
 def body(a: argparse.Namespace) -> List[Row]:
@@ -285,10 +330,12 @@ def body(a: argparse.Namespace) -> List[Row]:
     dtype = DTYPES[a.dtype]
     row_bytes = a.dim * dtype.itemsize + torch.empty(0, dtype=wire_index_dtype(a.rows)).element_size()
     perm = torch.from_numpy(np.random.default_rng(a.seed + 0x5EED).permutation(a.rows))
+    rate = link_rate(device, parse_size(a.link_bytes))
     if me == 0:
         print(f"# sparse sync: world={n} backend={a.backend} device={a.device} table={a.rows}x{a.dim} {a.dtype} "
               f"methods={','.join(methods.names)} lws={a.lws} warmup={a.warmup} iters={a.iters} "
-              f"dense_iters={a.dense_iters} threads/rank={torch.get_num_threads()}", flush=True)
+              f"dense_iters={a.dense_iters} threads/rank={torch.get_num_threads()} "
+              f"link={rate / 1e9:.3f} GB/s per rank (sent+received, all_to_all of {a.link_bytes})", flush=True)
     rows: List[Row] = []
     case = 0
     for dist_name in a.dist.split(","):
@@ -304,13 +351,13 @@ def body(a: argparse.Namespace) -> List[Row]:
             everyone: List[Any] = [None] * n
             dist.all_gather_object(everyone, (mine, floor))
             if me == 0:
-                rows += _rows(a, n, work, ref, methods.names, everyone)
+                rows += _rows(a, n, work, ref, methods.names, everyone, rate)
             del ref
     return rows
 
 
 def _rows(a: argparse.Namespace, n: int, work: Workload, ref: Reference, names: Sequence[str],
-          everyone: Sequence[Any]) -> List[Row]:
+          everyone: Sequence[Any], rate: float) -> List[Row]:
     floor = statistics.mean(f for _, f in everyone)
     med: Dict[str, Optional[float]] = {}
     for name in names:
@@ -339,6 +386,9 @@ def _rows(a: argparse.Namespace, n: int, work: Workload, ref: Reference, names: 
             cols["inter_MB"] = statistics.mean(inter) / 1e6 if all(i is not None for i in inter) else ""
         if t is not None:
             cols.update(time_ms=t * 1e3, min_ms=min(ts) * 1e3, max_ms=max(ts) * 1e3,
+                        # The floor's bytes at the measured link speed: a time no scheme of this kind beats.
+                        floor_ms=floor / rate * 1e3 if rate else "",
+                        time_vs_floor=t / (floor / rate) if rate and floor else "",
                         vs_dense=med["dense"] / t if med.get("dense") else "",
                         vs_torch_sparse=med["torch_sparse"] / t if med.get("torch_sparse") else "",
                         vs_best_peer=min(peers) / t if peers and name not in PEERS else "")
@@ -367,12 +417,17 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--alpha", type=float, default=1.1, help="Zipf skew (default 1.1)")
     p.add_argument("--densities", default="0.0001,0.001,0.01,0.1",
                    help="lookups per rank as a fraction of the rows (default 0.0001,0.001,0.01,0.1)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated, from {','.join(METHODS)} (default: the first five)")
     p.add_argument("--lws", type=int, default=2,
                    help="ranks per emulated node, for sparsecomm_local and the inter-node bytes (default 2)")
-    p.add_argument("-w", "--warmup", type=int, default=1, help="untimed calls per method; the first is checked")
-    p.add_argument("-n", "--iters", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--dense-iters", type=int, default=2, help="timed rounds of the dense method (default 2)")
+    p.add_argument("-w", "--warmup", type=int, default=2,
+                   help="untimed calls per method, the first one checked (default 2)")
+    p.add_argument("-n", "--iters", type=int, default=7, help="timed rounds (default 7)")
+    p.add_argument("--dense-iters", type=int, default=2,
+                   help="timed rounds of the dense methods (default 2)")
+    p.add_argument("--link-bytes", default="16M",
+                   help="all_to_all size that measures the link speed for floor_ms (default 16M; 0: skip)")
     p.add_argument("--seed", type=int, default=0)
     # Tests: corrupt these methods' results before the check, to prove that #wrong catches errors.
     p.add_argument("--corrupt", default="", help=argparse.SUPPRESS)
