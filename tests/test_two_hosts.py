@@ -1,0 +1,49 @@
+"""The two-emulated-hosts script: real namespaces and a capped veth link (root only)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "two_hosts.py"
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                       reason="needs root and iproute2 (ip, tc)"),
+]
+
+
+def _namespaces():
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _can_make_namespaces():
+    ok = subprocess.run(["ip", "netns", "add", "sc_probe_t"], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", "sc_probe_t"], capture_output=True)
+    return ok
+
+
+def test_local_aggregation_cuts_bytes_between_hosts(tmp_path):
+    if not _can_make_namespaces():
+        pytest.skip("network namespaces not permitted here")
+    out_json = tmp_path / "rows.json"
+    out = subprocess.run([sys.executable, str(SCRIPT), "--rows", "20000", "--density", "0.02", "--iters", "2",
+                          "--rate", "500mbit", "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    flat, local = json.loads(out_json.read_text())
+    assert flat["mode"] == "flat" and local["mode"] == "local-aggregation"
+    assert 0 < local["inter_host_MB_per_call"] < flat["inter_host_MB_per_call"]
+    assert "sc_host" not in _namespaces()
+
+
+def test_cleans_up_when_ranks_fail():
+    if not _can_make_namespaces():
+        pytest.skip("network namespaces not permitted here")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--rows", "1000", "--fail", "--timeout", "120"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "failed" in out.stderr
+    assert "sc_host" not in _namespaces()
