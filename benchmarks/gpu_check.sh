@@ -108,6 +108,29 @@ else
   record bench_kernels "SKIPPED" 0 "benchmarks/bench_kernels.py not found"
 fi
 
+# ---- 6. communication benchmarks on CUDA (sparsecomm/bench/{allreduce,sparse_sync}.py) ----
+# Dense collectives on NCCL (nccl-tests style) and the sparse sync sweep with
+# CUDA tensors, one rank per GPU. NCCL allows one rank per GPU, so with a
+# single GPU the NCCL runs are a world of one (the CUDA path, not the
+# network), and the sweep also runs 2 ranks sharing the GPU over gloo (CUDA
+# tensors, host transport). Rows go to $LOG_DIR/*.json; a non-zero #wrong
+# makes the step fail (exit status 3).
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -ge 1 ]; then
+  step bench_allreduce "$PY" benchmarks/bench_allreduce.py --nproc "$NGPU" --device cuda --backend nccl \
+    -b 8 -e 256M -f 4 --json "$LOG_DIR/bench_allreduce_nccl.json"
+  step bench_sparse "$PY" benchmarks/bench_sparse.py --nproc "$NGPU" --device cuda --backend nccl \
+    --methods dense,torch_sparse,allgather,sparsecomm,sparsecomm_allgather,sparsecomm_densify \
+    --json "$LOG_DIR/bench_sparse_nccl.json"
+  if [ "$NGPU" -lt 2 ]; then
+    step bench_sparse_gloo "$PY" benchmarks/bench_sparse.py --nproc 2 --device cuda --backend gloo \
+      --densities 0.001,0.01 --json "$LOG_DIR/bench_sparse_gloo_cuda.json"
+  fi
+else
+  record bench_allreduce "SKIPPED" 0 "no CUDA device"
+  record bench_sparse "SKIPPED" 0 "no CUDA device"
+fi
+
 # ---- summary -------------------------------------------------------------------
 echo
 echo "=== summary (logs in $LOG_DIR)"

@@ -194,6 +194,7 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
     Returns:
         The exit status (see the module docstring).
     """
+    resolve_device_backend(args)  # fail here, before starting any rank, on --device cuda without CUDA
     if args.nproc and not launched():
         rows: List[Row] = []
         status = 0
@@ -216,7 +217,6 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
 
     if args.nproc and launched() and int(os.environ.get("WORLD_SIZE", args.nproc[0])) not in args.nproc:
         print("# --nproc ignored: the launcher decides the world size", file=sys.stderr, flush=True)
-    resolve_device_backend(args)
     init_distributed(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     try:
         rows = body(args)

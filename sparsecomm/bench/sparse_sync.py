@@ -60,6 +60,7 @@ import sparsecomm
 from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, parse_size, plot_rows
 from sparsecomm.bench.launch import add_launch_args, gather_floats, run_distributed
 from sparsecomm.collectives.exchange import all_gather_single, wire_index_dtype
+from sparsecomm.collectives.groups import comm_device
 from sparsecomm.cost_model import partitioned_floor_bytes
 from sparsecomm.synthetic import uniform_ids, zipf_ids
 from sparsecomm.types import SparseSyncStats
@@ -311,6 +312,7 @@ def link_rate(device: torch.device, nbytes: int, rounds: int = 3) -> float:
     if n == 1 or nbytes <= 0:
         return 0.0
     per_peer = max(1, nbytes // n)
+    device = comm_device(None, device)  # where sparsecomm's own exchanges run (CPU on gloo)
     send = torch.ones(per_peer * n, dtype=torch.uint8, device=device)
     recv = torch.empty_like(send)
     watch, best = Stopwatch(device.type), float("inf")
