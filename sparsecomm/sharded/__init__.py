@@ -1,0 +1,15 @@
+"""Sharded (parameter-server) embeddings: row-sharded tables, owner-side optimizers, resharding checkpoints.
+
+Each rank stores only the rows it owns (~V/N) and their optimizer state;
+lookups pull rows from their owners and backward pushes the gradients back
+(shared/DESIGN.md, "Sharded mode"). See :class:`ShardedEmbedding`.
+"""
+
+from sparsecomm.sharded.checkpoint import CheckpointError, export_full, load, save, verify
+from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag, sharded_modules
+from sparsecomm.sharded.layout import RowLayout
+from sparsecomm.sharded.optimizer import ShardedAdagrad, ShardedAdam, ShardedOptimizer, ShardedSGD
+
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "ShardedOptimizer", "ShardedSGD", "ShardedAdagrad",
+           "ShardedAdam", "RowLayout", "sharded_modules", "save", "load", "verify", "export_full",
+           "CheckpointError"]

@@ -1,0 +1,480 @@
+"""Row-sharded embedding tables: each rank stores the rows it owns, lookups pull rows from their owners.
+
+``ShardedEmbedding`` / ``ShardedEmbeddingBag`` stand in for ``nn.Embedding`` /
+``nn.EmbeddingBag`` in a model whose other parameters stay under DDP.
+
+Forward (one lookup, all ranks together): the batch's unique ids are grouped
+by owner, sent to their owners (all-to-all), the owners gather the rows
+(:func:`sparsecomm.ops.gather_rows`) and send them back (all-to-all); the
+unique rows are then expanded to the batch with ``F.embedding`` /
+``F.embedding_bag`` so torch does the pooling and its gradient.
+
+Backward: the gradient of the unique rows (already coalesced by that expansion)
+travels the same routes back to the owners, which receive it as a sparse COO
+gradient of their local shard in ``local_weight.grad``, averaged over ranks
+like DDP averages dense gradients (``grad_reduction="mean"``). Nothing is
+updated until the owner-side optimizer's ``step()`` (``sparsecomm.sharded.optimizer``).
+
+Keeping the shard out of DDP: the shard is a plain tensor attribute
+(``local_weight``), not an ``nn.Parameter`` or buffer, so DDP never sees it
+(no allreduce, no broadcast, no shape check across ranks) and
+``model.parameters()`` (what the dense optimizer gets) does not include it.
+It still travels in ``model.state_dict()`` (``<name>.local_weight`` plus the
+ownership map in ``<name>._extra_state``) and through
+``sparsecomm.sharded.save/load``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sparsecomm import ops
+from sparsecomm.collectives.sharded_exchange import (STATUS_BAD_INPUT, STATUS_ID_RANGE, STATUS_OK,
+                                                     allgather_table_rows, broadcast_int, exchange_rows,
+                                                     request_rows, sharded_group, world)
+from sparsecomm.sharded.layout import RowLayout
+from sparsecomm.types import PartitionScheme, SparseSyncStats
+
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "sharded_modules"]
+
+STATE_FORMAT = "sparsecomm.sharded.table/1"
+# Rows are initialized in fixed chunks, each from its own seeded generator, so
+# a row's initial value depends on (seed, id) only: the same table at any world size.
+_INIT_CHUNK = 1 << 16
+_KIND_EMBEDDING, _KIND_BAG = 0, 1
+# Tables are numbered in construction order; the number joins the lookup
+# fingerprint so that ranks calling different tables fail loudly.
+_table_ids = itertools.count()
+
+
+class _Plan(NamedTuple):
+    """What a lookup's backward needs to send gradients back along the lookup's routes."""
+
+    send_counts: List[int]    # ids this rank asked of each owner
+    recv_counts: List[int]    # ids each rank asked of me
+    perm: torch.Tensor        # unique-id position of each id, in owner order
+    slots: torch.Tensor       # local slots of the ids asked of me
+    requested: torch.Tensor   # those ids
+
+
+class _PullRows(torch.autograd.Function):
+    """Unique rows from their owners; backward pushes their gradients to the owners."""
+
+    @staticmethod
+    def forward(ctx, local_weight: torch.Tensor, table: "_ShardedTable", unique_ids: torch.Tensor,
+                status: Tuple[int, int, str]) -> torch.Tensor:
+        rows, plan = table._pull(unique_ids, status)
+        ctx.table, ctx.plan = table, plan
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor):
+        return ctx.table._push(ctx.plan, grad_rows), None, None, None
+
+
+class _ShardedTable(nn.Module):
+    """Shared machinery of the sharded embedding modules (see the module docstring)."""
+
+    _kind = _KIND_EMBEDDING
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
+                 scheme: str = "hash", group=None, grad_reduction: str = "mean", seed: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None, device=None, _weight: Optional[torch.Tensor] = None,
+                 _freeze: bool = False) -> None:
+        super().__init__()
+        if not isinstance(num_embeddings, int) or num_embeddings < 1:
+            raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if grad_reduction not in ("mean", "sum"):
+            raise ValueError(f"grad_reduction must be 'mean' (like DDP) or 'sum', got {grad_reduction!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}), "
+                                 f"got {padding_idx}")
+            padding_idx = padding_idx % num_embeddings
+        dtype = dtype or torch.get_default_dtype()
+        if dtype not in ops.VALUE_DTYPES:
+            raise TypeError(f"dtype must be one of {ops.VALUE_DTYPES}, got {dtype}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.scheme = PartitionScheme(scheme).value
+        self.grad_reduction = grad_reduction
+        self.table_id = next(_table_ids)
+        # Collective on every rank: the dedicated group, then the shared seed.
+        self._group = sharded_group(group)
+        rank, size = world(group)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.layout = RowLayout(num_embeddings, size, rank, self.scheme, device)
+        self.stats = SparseSyncStats(world_size=size)
+        if seed is None:
+            # Every rank draws (keeping their RNG streams in step); rank 0's draw wins.
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.seed = broadcast_int(seed, self._group)
+        self._optimizer: Optional[weakref.ref] = None
+        self.local_weight = torch.empty(self.layout.num_local, embedding_dim, dtype=dtype, device=device)
+        if _weight is not None:
+            self.load_full_weight(_weight)
+        else:
+            self.reset_parameters()
+        self.local_weight.requires_grad_(not _freeze)
+        self.local_weight._sparsecomm_table = weakref.ref(self)
+
+    # ------------------------------------------------------------- contents
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw every row from N(0, 1) as ``nn.Embedding`` does, the same values at any world size.
+
+        Row ``i`` depends only on ``seed`` and ``i`` (chunks of 65536 rows,
+        one seeded generator each). Under "range" a rank draws only its own
+        chunks; under "hash" it draws every chunk once and keeps its rows
+        (time ~V, memory one chunk). The padding row is zeroed.
+        """
+        ids = self.layout.owned_ids()
+        bounds = torch.searchsorted(ids, torch.arange(0, self.num_embeddings + _INIT_CHUNK, _INIT_CHUNK)).tolist()
+        for chunk in range(len(bounds) - 1):
+            lo, hi = bounds[chunk], bounds[chunk + 1]
+            if lo == hi:
+                continue
+            first = chunk * _INIT_CHUNK
+            g = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + chunk) % 2**63)
+            rows = torch.randn(min(_INIT_CHUNK, self.num_embeddings - first), self.embedding_dim, generator=g)
+            self.local_weight[lo:hi] = rows[ids[lo:hi] - first].to(self.local_weight)
+        self._zero_padding_row()
+
+    def _zero_padding_row(self) -> None:
+        p = self.padding_idx
+        if p is not None and int(self.layout.owners(torch.tensor([p]))[0]) == self.layout.rank:
+            self.local_weight[self.layout.slots(torch.tensor([p]))] = 0
+
+    @torch.no_grad()
+    def load_full_weight(self, weight: torch.Tensor) -> None:
+        """Take this rank's rows from a full ``(num_embeddings, embedding_dim)`` table (no communication).
+
+        Every rank passes the same table (e.g. ``torch.load(path, mmap=True)``
+        of an exported one: only the owned rows are read).
+
+        Raises:
+            ValueError: the table has the wrong shape.
+        """
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"expected a ({self.num_embeddings}, {self.embedding_dim}) table, "
+                             f"got {tuple(weight.shape)}")
+        self.local_weight.copy_(weight[self.layout.owned_ids().to(weight.device)])
+
+    @torch.no_grad()
+    def full_weight(self) -> torch.Tensor:
+        """Gather the whole ``(num_embeddings, embedding_dim)`` table on every rank (collective).
+
+        For exporting to an unsharded model for inference; it takes ``V x d``
+        memory on every rank. Offline, ``sparsecomm.sharded.export_full``
+        builds the same table from a checkpoint directory without processes.
+        """
+        ids, rows = allgather_table_rows(self.layout.owned_ids(), self.local_weight.detach(),
+                                         self.num_embeddings, self._group)
+        full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=rows.dtype, device=rows.device)
+        full[ids.to(rows.device)] = rows
+        return full
+
+    # ----------------------------------------------------------- the lookup
+
+    def _check_input(self, ids: Any) -> Tuple[torch.Tensor, Tuple[int, int, str]]:
+        # Never raises: a bad input must still reach the collective, which raises on every rank.
+        name = type(self).__name__
+        if not isinstance(ids, torch.Tensor):
+            return torch.empty(0, dtype=torch.int64), (STATUS_BAD_INPUT, 0,
+                                                       f"{name}: input must be a tensor, got {type(ids).__name__}")
+        if ids.dtype not in (torch.int32, torch.int64):
+            return torch.empty(0, dtype=torch.int64), (STATUS_BAD_INPUT, 0,
+                                                       f"{name}: input must be int32 or int64, got {ids.dtype}")
+        flat = ids.reshape(-1)
+        if flat.numel():
+            lo, hi = torch.aminmax(flat)
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= self.num_embeddings:
+                bad = lo if lo < 0 else hi
+                return flat.new_empty(0, dtype=torch.int64), (
+                    STATUS_ID_RANGE, bad,
+                    f"{name}: input contains id {bad}, outside [0, {self.num_embeddings}); nothing was exchanged")
+        return flat.to(torch.int64), (STATUS_OK, 0, "")
+
+    def _lookup(self, flat_ids: torch.Tensor, status: Tuple[int, int, str]
+                ) -> Tuple[torch.Tensor, torch.Tensor, Optional[int]]:
+        """Rows of the unique ids (autograd-tracked), each id's position among them, and the padding position."""
+        if status[0] == STATUS_OK:
+            unique, inverse = torch.unique(flat_ids, sorted=True, return_inverse=True)
+        else:
+            unique = inverse = flat_ids.new_empty(0, dtype=torch.int64)
+        rows = _PullRows.apply(self.local_weight, self, unique, status)
+        pad = None
+        if self.padding_idx is not None and unique.numel():
+            pos = int(torch.searchsorted(unique, torch.tensor([self.padding_idx])).item())
+            if pos < unique.numel() and int(unique[pos]) == self.padding_idx:
+                pad = pos
+        return rows, inverse, pad
+
+    def _pull(self, unique_ids: torch.Tensor, status: Tuple[int, int, str]) -> Tuple[torch.Tensor, _Plan]:
+        part = self.layout.partition(unique_ids)
+        self.stats.rows_in += int(unique_ids.numel())
+        fingerprint = (self.num_embeddings, self.embedding_dim, self.table_id, self._kind)
+        send, recv, requested = request_rows(part.ids, part.counts, status=status[0], detail=status[1],
+                                             message=status[2], fingerprint=fingerprint,
+                                             num_rows=self.num_embeddings, group=self._group, stats=self.stats)
+        slots = self.layout.slots(requested)
+        served = ops.gather_rows(self.local_weight.detach(), slots)
+        got = exchange_rows(served, recv, send, self._group, self.stats)
+        rows = torch.empty_like(got).index_copy_(0, part.perm, got)
+        return rows, _Plan(send, recv, part.perm, slots, requested)
+
+    def _push(self, plan: _Plan, grad_rows: torch.Tensor) -> torch.Tensor:
+        by_owner = grad_rows.contiguous().index_select(0, plan.perm)
+        got = exchange_rows(by_owner, plan.send_counts, plan.recv_counts, self._group, self.stats)
+        slots = plan.slots
+        if self.padding_idx is not None:
+            # nn.Embedding's sparse gradient leaves the padding row out: it stays untouched by lazy optimizers too.
+            keep = plan.requested != self.padding_idx
+            slots, got = slots[keep], got[keep]
+        if self.grad_reduction == "mean" and self.layout.world_size > 1:
+            got = got / self.layout.world_size
+        return torch.sparse_coo_tensor(slots.view(1, -1), got, tuple(self.local_weight.shape),
+                                       check_invariants=False)
+
+    # ---------------------------------------------------------- bookkeeping
+
+    def _attach_optimizer(self, optimizer) -> None:
+        self._optimizer = weakref.ref(optimizer)
+
+    def optimizer_state(self) -> Dict[str, torch.Tensor]:
+        """The row-wise optimizer state of this shard (empty without an attached sharded optimizer)."""
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is None:
+            return {}
+        state = opt.state.get(self.local_weight, {})
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes this rank holds for the table: ``weight``, ``ownership_map``, ``optimizer_state``, ``grad``."""
+        w = self.local_weight
+        grad = 0
+        if w.grad is not None:
+            g = w.grad
+            grad = (g._values().numel() * g.element_size() + g._indices().numel() * 8) if g.is_sparse else \
+                g.numel() * g.element_size()
+        return {"weight": w.numel() * w.element_size(),
+                "ownership_map": self.layout.nbytes,
+                "optimizer_state": sum(t.numel() * t.element_size() for t in self.optimizer_state().values()),
+                "grad": grad}
+
+    def memory_bytes(self, include_grad: bool = False) -> int:
+        """Bytes of this rank's rows, ownership map and row-wise optimizer state (~V/N rows' worth).
+
+        Args:
+            include_grad: also count the pending sparse gradient (transient:
+                from backward until ``zero_grad``).
+        """
+        parts = self.memory_breakdown()
+        return sum(v for k, v in parts.items() if include_grad or k != "grad")
+
+    # ------------------------------------------------------------ state dict
+
+    def get_extra_state(self) -> Dict[str, Any]:
+        """The ownership map saved beside ``local_weight`` in ``state_dict()``."""
+        return {"format": STATE_FORMAT, "embedding_dim": self.embedding_dim,
+                "dtype": str(self.local_weight.dtype).replace("torch.", ""), **self.layout.describe(),
+                "ids": self.layout.owned_ids()}
+
+    def set_extra_state(self, state: Any) -> None:
+        problem = self._layout_problem(state)
+        if problem:
+            raise ValueError(problem)
+
+    def _layout_problem(self, state: Any) -> Optional[str]:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            return f"{type(self).__name__}: not a sharded-table state (format {got!r})"
+        mine = self.get_extra_state()
+        for key in ("num_embeddings", "embedding_dim", "world_size", "rank", "scheme", "num_local"):
+            if state.get(key) != mine[key]:
+                return (f"{type(self).__name__}: the state holds rank {state.get('rank')} of "
+                        f"{state.get('world_size')} of a {state.get('num_embeddings')} x {state.get('embedding_dim')} "
+                        f"table sharded by {state.get('scheme')!r}, but this table is rank {self.layout.rank} of "
+                        f"{self.layout.world_size}, {self.num_embeddings} x {self.embedding_dim}, "
+                        f"{self.scheme!r} ({key} differs). To load shards written at another world size or "
+                        f"scheme, use sparsecomm.sharded.load(directory, model)")
+        return None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "local_weight"] = self.local_weight if keep_vars else self.local_weight.detach()
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        wkey, ekey = prefix + "local_weight", prefix + "_extra_state"
+        missing = [k for k in (wkey, ekey) if k not in state_dict]
+        missing_keys.extend(missing)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in (wkey, ekey)
+                                   and "." not in k[len(prefix):])
+        if missing:
+            return
+        problem = self._layout_problem(state_dict[ekey])
+        weight = state_dict[wkey]
+        if problem is None and tuple(weight.shape) != tuple(self.local_weight.shape):
+            problem = f"{wkey}: shape {tuple(weight.shape)} in the state, {tuple(self.local_weight.shape)} here"
+        if problem:
+            error_msgs.append(problem)
+            return
+        with torch.no_grad():
+            self.local_weight.copy_(weight)
+
+    def extra_repr(self) -> str:
+        s = (f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme!r}, "
+             f"rank={self.layout.rank}/{self.layout.world_size}, local_rows={self.layout.num_local}")
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        return s
+
+
+class ShardedEmbedding(_ShardedTable):
+    """Row-sharded ``nn.Embedding``: each rank stores ~V/N rows; lookups fetch rows from their owners.
+
+    Construct it on every rank (collective), like the model around it. Every
+    forward is collective too: all ranks call the same tables in the same
+    order, and every rank runs backward through every lookup it made with
+    gradients enabled (as DDP requires of its parameters).
+
+    Args:
+        num_embeddings: table rows ``V``.
+        embedding_dim: row width ``d``.
+        padding_idx: as ``nn.Embedding``: the row starts at zero and never
+            receives a gradient (nor an optimizer update).
+        scheme: row ownership, ``"hash"`` (balanced under Zipf skew, the
+            default) or ``"range"`` (contiguous blocks), as the sparse path.
+        group: process group (default: the whole world). Its ranks own the rows.
+        grad_reduction: ``"mean"`` (default): owners average the ranks'
+            gradients, like DDP does for dense parameters; ``"sum"``: add them.
+        seed: initial values are N(0, 1) drawn from ``seed`` per row, the same
+            at any world size; default: rank 0 draws one from torch's RNG.
+        dtype, device: of the shard (and of the rows a lookup returns).
+
+    Attributes:
+        local_weight: ``(num_local, d)`` tensor of the rows this rank owns, in
+            ``layout.owned_ids()`` order; its ``.grad`` is the sparse gradient
+            the owner received. Not a Parameter: DDP and dense optimizers skip it.
+        layout: the :class:`~sparsecomm.sharded.layout.RowLayout` (owners, slots).
+        stats: bytes this rank sent/received for the table, accumulated.
+
+    Example::
+
+        >>> emb = ShardedEmbedding(1_000_000, 64)                 # on every rank
+        >>> model = DDP(Model(emb, ...))                          # emb stays out of DDP
+        >>> dense_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> sparse_opt = sparsecomm.sharded.ShardedAdam(model, lr=1e-3)
+        >>> loss = model(batch).mean(); loss.backward(); dense_opt.step(); sparse_opt.step()
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Look up ``input`` (int32/int64 ids of any shape); returns ``input.shape + (d,)``.
+
+        Raises:
+            ValueError: on every rank, when any rank passes an id outside
+                ``[0, num_embeddings)`` or a non-integer input (no rows move,
+                the table stays usable), or ranks call different tables.
+        """
+        flat, status = self._check_input(input)
+        rows, inverse, pad = self._lookup(flat, status)
+        return F.embedding(inverse.view(input.shape), rows, padding_idx=pad)
+
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, padding_idx: Optional[int] = None,
+                        **kwargs) -> "ShardedEmbedding":
+        """Shard a full ``(V, d)`` table (every rank passes the same one), like ``nn.Embedding.from_pretrained``."""
+        if embeddings.dim() != 2:
+            raise ValueError(f"embeddings must be 2-D, got shape {tuple(embeddings.shape)}")
+        kwargs.setdefault("dtype", embeddings.dtype)
+        return cls(embeddings.shape[0], embeddings.shape[1], padding_idx, _weight=embeddings, _freeze=freeze,
+                   **kwargs)
+
+
+class ShardedEmbeddingBag(_ShardedTable):
+    """Row-sharded ``nn.EmbeddingBag``: pooled lookups (``"sum"``, ``"mean"`` or ``"max"``) over sharded rows.
+
+    Args:
+        num_embeddings, embedding_dim: table shape.
+        mode: ``"sum"``, ``"mean"`` (default, as ``nn.EmbeddingBag``) or ``"max"``.
+        include_last_offset: as ``nn.EmbeddingBag``.
+        padding_idx: as ``nn.EmbeddingBag``: excluded from its bag (and from
+            the mean's count); the row never receives a gradient.
+        **kwargs: ``scheme``, ``group``, ``grad_reduction``, ``seed``,
+            ``dtype``, ``device`` as :class:`ShardedEmbedding`.
+    """
+
+    _kind = _KIND_BAG
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", *,
+                 include_last_offset: bool = False, padding_idx: Optional[int] = None, **kwargs) -> None:
+        if mode not in ("sum", "mean", "max"):
+            raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, padding_idx, **kwargs)
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    def _check_bag_input(self, input, offsets, per_sample_weights) -> Optional[str]:
+        if not isinstance(input, torch.Tensor):
+            return None  # reported by _check_input
+        if input.dim() == 2:
+            if offsets is not None:
+                return "offsets must be None when input is 2-D (B, L)"
+        elif input.dim() == 1:
+            if offsets is None:
+                return "offsets are required when input is 1-D"
+            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or \
+                    offsets.dtype not in (torch.int32, torch.int64):
+                return "offsets must be a 1-D int32/int64 tensor"
+            if offsets.numel():
+                if int(offsets[0]) != 0:
+                    return f"offsets[0] must be 0, got {int(offsets[0])}"
+                if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > input.numel():
+                    return f"offsets must be non-decreasing and at most len(input) = {input.numel()}"
+        else:
+            return f"input must be 1-D (with offsets) or 2-D (B, L), got shape {tuple(input.shape)}"
+        if per_sample_weights is not None:
+            if self.mode != "sum":
+                return f"per_sample_weights need mode='sum', not {self.mode!r}"
+            if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.shape != input.shape:
+                return "per_sample_weights must be a tensor of the input's shape"
+        return None
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Pool rows per bag, like ``nn.EmbeddingBag.forward``; returns ``(num_bags, d)``.
+
+        Raises:
+            ValueError: on every rank, for an id out of range or a malformed
+                input/offsets on any rank (nothing moves; the table stays usable).
+        """
+        flat, status = self._check_input(input)
+        problem = self._check_bag_input(input, offsets, per_sample_weights) if status[0] == STATUS_OK else None
+        if problem:
+            flat, status = flat.new_empty(0), (STATUS_BAD_INPUT, 0, f"{type(self).__name__}: {problem}")
+        rows, inverse, pad = self._lookup(flat, status)
+        return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
+                               per_sample_weights=per_sample_weights, include_last_offset=self.include_last_offset,
+                               padding_idx=pad)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", mode={self.mode!r}"
+
+
+def sharded_modules(model: nn.Module) -> List[Tuple[str, _ShardedTable]]:
+    """``(name, table)`` for every sharded table in ``model`` (a DDP wrapper is looked through)."""
+    inner = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+    return [(name, m) for name, m in inner.named_modules() if isinstance(m, _ShardedTable)]

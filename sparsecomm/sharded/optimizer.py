@@ -1,0 +1,287 @@
+"""Owner-side optimizers for sharded tables: SGD, Adagrad and Adam, row-wise and lazy.
+
+Each rank updates only the rows it owns, with the gradient its table's
+backward delivered there (``table.local_weight.grad``, sparse). When the
+update happens: in ``step()``, exactly like a torch optimizer — backward only
+accumulates the gradient (several backward passes add up), ``step()`` applies
+it, ``zero_grad()`` clears it. Only rows with a gradient change, and only
+their optimizer state changes (like ``torch.optim.SparseAdam``); the state is
+row-aligned with the shard, so it lives on the owner only and reshards with it.
+
+These are ``torch.optim.Optimizer`` subclasses: ``param_groups[i]["lr"]`` is
+the learning rate, so torch's LR schedulers drive them, and
+``state_dict()``/``load_state_dict()`` work (for the same world size; the
+directory checkpoint of ``sparsecomm.sharded.checkpoint`` reshards).
+
+Each rule reproduces torch's sparse-gradient path for the same coalesced
+gradient, so a sharded table trains like a replicated ``nn.Embedding(sparse=True)``
+with ``torch.optim.SGD`` / ``Adagrad`` / ``SparseAdam``:
+
+- ``ShardedSGD``: ``w -= lr * g``.
+- ``ShardedAdagrad``: ``s += g^2; w -= clr * g / (sqrt(s) + eps)``,
+  ``clr = lr / (1 + (step - 1) * lr_decay)``; ``rowwise=True`` keeps one
+  accumulator per row (the mean of ``g^2``, as fbgemm's row-wise Adagrad), ``d``
+  times less state.
+- ``ShardedAdam``: SparseAdam's lazy Adam; bias correction uses the table's
+  step count (every ``step()`` after a backward through the table), as
+  SparseAdam does, so every row is corrected by the same global step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from sparsecomm import ops
+from sparsecomm.sharded.embedding import _ShardedTable, sharded_modules
+
+__all__ = ["ShardedOptimizer", "ShardedSGD", "ShardedAdagrad", "ShardedAdam"]
+
+ParamsT = Union[nn.Module, Iterable[Any]]
+
+
+def _table_of(t: Any) -> _ShardedTable:
+    ref = getattr(t, "_sparsecomm_table", None)
+    table = ref() if ref is not None else None
+    if table is None:
+        raise TypeError("sharded optimizers take sharded tables (ShardedEmbedding/ShardedEmbeddingBag), modules "
+                        f"containing them, or their local_weight tensors; got {type(t).__name__}")
+    return table
+
+
+def _weights(items: Any) -> List[torch.Tensor]:
+    if isinstance(items, (nn.Module, torch.Tensor)):
+        items = [items]
+    out: List[torch.Tensor] = []
+    for item in items:
+        if isinstance(item, _ShardedTable):
+            out.append(item.local_weight)
+        elif isinstance(item, nn.Module):
+            found = sharded_modules(item)
+            if not found:
+                raise ValueError(f"{type(item).__name__} contains no sharded table")
+            out.extend(m.local_weight for _, m in found)
+        else:
+            out.append(_table_of(item).local_weight)
+    return out
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Base of the owner-side optimizers: gathers the tables, coalesces gradients, calls the row rule.
+
+    Args:
+        params: a model (every sharded table in it), tables, their
+            ``local_weight`` tensors, or param-group dicts of those.
+        defaults: hyperparameters, as ``torch.optim.Optimizer``.
+    """
+
+    #: Names of the row-aligned state tensors (resharded with the rows).
+    row_state_names: Tuple[str, ...] = ()
+
+    def __init__(self, params: ParamsT, defaults: Dict[str, Any]) -> None:
+        # Strong references: the tables live as long as their optimizer does.
+        self._tables: Dict[int, _ShardedTable] = {}
+        if isinstance(params, nn.Module):
+            params = [params]
+        params = list(params)
+        if params and isinstance(params[0], dict):
+            groups = [dict(g, params=_weights(g["params"])) for g in params]
+        else:
+            groups = [{"params": _weights(params)}]
+        super().__init__(groups, defaults)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        param_group = dict(param_group, params=_weights(param_group["params"]))
+        super().add_param_group(param_group)
+        for p in param_group["params"]:
+            table = _table_of(p)
+            self._tables[id(p)] = table
+            # State is made up front: the memory report is right from the start and
+            # a checkpoint taken before the first step still holds every moment.
+            self.state[p] = self._init_state(p, self.param_groups[-1])
+            table._attach_optimizer(self)
+
+    def _init_state(self, p: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
+        return {"step": 0}
+
+    def _update(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any], slots: torch.Tensor,
+                grad: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def tables(self) -> List[_ShardedTable]:
+        """The sharded tables this optimizer updates, in param-group order."""
+        return [self._tables[id(p)] for g in self.param_groups for p in g["params"]]
+
+    def memory_bytes(self) -> int:
+        """Bytes of the row-wise state this rank holds (all its tables)."""
+        return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values()
+                   if isinstance(v, torch.Tensor))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Apply each owned row's accumulated gradient; rows without one stay as they are.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if not grad.is_sparse:
+                    raise RuntimeError("sharded optimizers expect the sparse gradient a sharded table's backward "
+                                       "leaves in local_weight.grad")
+                state = self.state[p]
+                # Every rank's table receives a (possibly empty) gradient in
+                # each backward, so the step count agrees across ranks.
+                state["step"] += 1
+                if grad._nnz() == 0:
+                    continue
+                if grad.is_coalesced():
+                    slots, values = grad._indices()[0], grad._values()
+                else:
+                    slots, values = ops.coalesce_rows(grad._indices()[0].contiguous(), grad._values().contiguous(),
+                                                      p.shape[0])
+                self._update(group, p, state, slots, values)
+        return loss
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state dict plus each table's ownership map (``"sharding"``)."""
+        sd = super().state_dict()
+        sd["sharding"] = [_table_of(p).layout.describe() for g in self.param_groups for p in g["params"]]
+        return sd
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict written by the same rank at the same world size and layout.
+
+        Raises:
+            ValueError: the state was written for another layout (world size,
+                rank, scheme or table shape); load directory checkpoints with
+                ``sparsecomm.sharded.load`` to reshard.
+        """
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = state_dict.get("sharding")
+        if saved is None or len(saved) != len(params):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the state has no ownership maps for "
+                             f"{len(params)} tables (not a sharded optimizer state of this model?)")
+        for i, (p, layout) in enumerate(zip(params, saved)):
+            mine = _table_of(p).layout.describe()
+            if layout != mine:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: table {i} was saved as {layout} but is "
+                                 f"{mine} here; to reshard, save and load a directory checkpoint with "
+                                 f"sparsecomm.sharded.save/load")
+            for name in self.row_state_names:
+                t = state_dict["state"].get(i, {}).get(name)
+                want = self.state[p][name].shape
+                if t is None or t.shape != want:
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: table {i} state {name!r} has "
+                                     f"shape {None if t is None else tuple(t.shape)}, expected {tuple(want)}")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
+
+
+class ShardedSGD(ShardedOptimizer):
+    """Plain SGD on the owned rows: ``w -= lr * g`` (as ``torch.optim.SGD`` with a sparse gradient).
+
+    Args:
+        params: see :class:`ShardedOptimizer`.
+        lr: learning rate.
+    """
+
+    def __init__(self, params: ParamsT, lr: float = 1e-3) -> None:
+        if lr < 0:
+            raise ValueError(f"invalid learning rate {lr}")
+        super().__init__(params, dict(lr=lr))
+
+    def _update(self, group, p, state, slots, grad):
+        p.index_add_(0, slots, grad, alpha=-group["lr"])
+
+
+class ShardedAdagrad(ShardedOptimizer):
+    """Adagrad on the owned rows (``torch.optim.Adagrad``'s sparse path), optionally row-wise.
+
+    Args:
+        params: see :class:`ShardedOptimizer`.
+        lr, lr_decay, eps, initial_accumulator_value: as ``torch.optim.Adagrad``.
+        rowwise: one accumulator per row (mean of the squared gradient over
+            the row) instead of one per element: ``d`` times less state.
+    """
+
+    def __init__(self, params: ParamsT, lr: float = 1e-2, lr_decay: float = 0.0, eps: float = 1e-10,
+                 initial_accumulator_value: float = 0.0, rowwise: bool = False) -> None:
+        for name, v in (("lr", lr), ("lr_decay", lr_decay), ("eps", eps),
+                        ("initial_accumulator_value", initial_accumulator_value)):
+            if v < 0:
+                raise ValueError(f"invalid {name} {v}")
+        self.rowwise = rowwise
+        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, eps=eps,
+                                      initial_accumulator_value=initial_accumulator_value))
+
+    row_state_names = ("sum",)
+
+    def _init_state(self, p, group):
+        shape = p.shape[:1] if self.rowwise else p.shape
+        return {"step": 0, "sum": torch.full(shape, group["initial_accumulator_value"], dtype=p.dtype,
+                                             device=p.device)}
+
+    def _update(self, group, p, state, slots, grad):
+        clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
+        acc = state["sum"]
+        if self.rowwise:
+            acc.index_add_(0, slots, grad.pow(2).mean(dim=1))
+            std = acc.index_select(0, slots).sqrt_().add_(group["eps"]).unsqueeze(1)
+        else:
+            acc.index_add_(0, slots, grad.pow(2))
+            std = acc.index_select(0, slots).sqrt_().add_(group["eps"])
+        p.index_add_(0, slots, grad / std, alpha=-clr)
+
+
+class ShardedAdam(ShardedOptimizer):
+    """Lazy Adam on the owned rows (``torch.optim.SparseAdam``'s rule).
+
+    Only rows with a gradient update their moments and values; bias
+    correction uses the table's step count, as SparseAdam does.
+
+    Args:
+        params: see :class:`ShardedOptimizer`.
+        lr, betas, eps: as ``torch.optim.SparseAdam``.
+    """
+
+    row_state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8) -> None:
+        if lr < 0 or eps < 0:
+            raise ValueError(f"invalid lr {lr} or eps {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
+
+    def _init_state(self, p, group):
+        return {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    def _update(self, group, p, state, slots, grad):
+        beta1, beta2 = group["betas"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        # The same operations, in the same order, as torch.optim._functional.sparse_adam.
+        old_avg = exp_avg.index_select(0, slots)
+        avg_update = grad.sub(old_avg).mul_(1 - beta1)
+        exp_avg.index_add_(0, slots, avg_update)
+        old_sq = exp_avg_sq.index_select(0, slots)
+        sq_update = grad.pow(2).sub_(old_sq).mul_(1 - beta2)
+        exp_avg_sq.index_add_(0, slots, sq_update)
+        numer = avg_update.add_(old_avg)
+        denom = sq_update.add_(old_sq).sqrt_().add_(group["eps"])
+        step = state["step"]
+        step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
+        p.index_add_(0, slots, -step_size * numer.div_(denom))
