@@ -236,7 +236,8 @@ def plot_rows(rows: Sequence[Row], path: str, x: str, y: str, series: str, panel
         ax.set_xlabel(xlabel or x)
         ax.set_ylabel(ylabel or y)
         ax.grid(True, which="both", alpha=0.3)
-        ax.set_title(f"{title}{' - ' if title and panel else ''}{f'{panel}={key}' if panel else ''}", fontsize=10)
+        label = "" if not panel else str(key) if isinstance(key, str) else f"{panel}={key}"
+        ax.set_title(f"{title}{' - ' if title and label else ''}{label}", fontsize=10)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
