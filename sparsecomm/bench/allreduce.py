@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist

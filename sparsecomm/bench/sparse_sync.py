@@ -48,9 +48,8 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -167,6 +166,7 @@ class Methods:
         self.sparse_group = (dist.new_group(backend="gloo")
                              if "torch_sparse" in self.names and dist.get_backend() != "gloo" else None)
         self.stats = SparseSyncStats()
+        self.allgather_rows = 0  # rows per rank in method (c)'s all-gather, padding included
         self.ids = self.values = None
 
     def set_batch(self, ids: torch.Tensor, values: torch.Tensor) -> None:
@@ -196,7 +196,7 @@ class Methods:
         counts = torch.empty(n, dtype=torch.int64, device=self.device)
         all_gather_single(counts, torch.tensor([nnz], dtype=torch.int64, device=self.device))
         counts_l = counts.tolist()
-        most = max(counts_l)
+        most = self.allgather_rows = max(counts_l)
         ids, values = self.ids, self.values
         if nnz < most:  # equal sizes only: pad to the largest batch
             ids = torch.cat([ids, ids.new_zeros(most - nnz)])
@@ -246,8 +246,8 @@ class Methods:
             sent = (n - 1) * _GLOO_META_BYTES + sum(chunk) - chunk[(me + 1) % n]
             return float(sent + recv), None
         if name == "allgather":
-            most = self.ids.shape[0]  # every rank draws the same batch size: no padding here
-            per_rank = 8 + most * (8 + self.dim * esz)
+            # Every rank's chunk is padded to the largest batch: the padding travels too.
+            per_rank = 8 + self.allgather_rows * (8 + self.dim * esz)
             return 2.0 * (n - 1) * per_rank, None
         s = self.stats
         # Only the partitioned path splits its counts by node, and only when lws divides the world.
