@@ -192,3 +192,10 @@ def test_reference_counts_missing_extra_and_wrong_rows():
     assert ref.wrong_dense(table) == 0
     table[extra, 3] = 1.0
     assert ref.wrong_dense(table) == 1
+
+
+def test_a_failing_rank_fails_the_run_fast():
+    # An empty table makes every rank raise while drawing its batch: the parent must report it.
+    out = _bench(["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--rows", "0"], timeout=90)
+    assert out.returncode not in (0, EXIT_WRONG), _fail(out)
+    assert "num_rows must be >= 1" in out.stderr
