@@ -69,6 +69,14 @@ def _weights(items: Any) -> List[torch.Tensor]:
     return out
 
 
+def _add_rows(table: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``table[slots] += rows`` for unique slots, through the row kernel (faster than ``index_add_``)."""
+    if table.dim() == 1:  # row-wise accumulators: one value per row
+        ops.scatter_add_rows(table.view(-1, 1), slots, rows.reshape(-1, 1).contiguous())
+    else:
+        ops.scatter_add_rows(table, slots, rows.contiguous())
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base of the owner-side optimizers: gathers the tables, coalesces gradients, calls the row rule.
 
@@ -204,7 +212,7 @@ class ShardedSGD(ShardedOptimizer):
         super().__init__(params, dict(lr=lr))
 
     def _update(self, group, p, state, slots, grad):
-        p.index_add_(0, slots, grad, alpha=-group["lr"])
+        _add_rows(p, slots, grad * -group["lr"])
 
 
 class ShardedAdagrad(ShardedOptimizer):
@@ -238,12 +246,12 @@ class ShardedAdagrad(ShardedOptimizer):
         clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
         acc = state["sum"]
         if self.rowwise:
-            acc.index_add_(0, slots, grad.pow(2).mean(dim=1))
+            _add_rows(acc, slots, grad.pow(2).mean(dim=1))
             std = acc.index_select(0, slots).sqrt_().add_(group["eps"]).unsqueeze(1)
         else:
-            acc.index_add_(0, slots, grad.pow(2))
+            _add_rows(acc, slots, grad.pow(2))
             std = acc.index_select(0, slots).sqrt_().add_(group["eps"])
-        p.index_add_(0, slots, grad / std, alpha=-clr)
+        _add_rows(p, slots, (grad / std).mul_(-clr))
 
 
 class ShardedAdam(ShardedOptimizer):
@@ -276,12 +284,12 @@ class ShardedAdam(ShardedOptimizer):
         # The same operations, in the same order, as torch.optim._functional.sparse_adam.
         old_avg = exp_avg.index_select(0, slots)
         avg_update = grad.sub(old_avg).mul_(1 - beta1)
-        exp_avg.index_add_(0, slots, avg_update)
+        _add_rows(exp_avg, slots, avg_update)
         old_sq = exp_avg_sq.index_select(0, slots)
         sq_update = grad.pow(2).sub_(old_sq).mul_(1 - beta2)
-        exp_avg_sq.index_add_(0, slots, sq_update)
+        _add_rows(exp_avg_sq, slots, sq_update)
         numer = avg_update.add_(old_avg)
         denom = sq_update.add_(old_sq).sqrt_().add_(group["eps"])
         step = state["step"]
         step_size = group["lr"] * math.sqrt(1 - beta2**step) / (1 - beta1**step)
-        p.index_add_(0, slots, -step_size * numer.div_(denom))
+        _add_rows(p, slots, -step_size * numer.div_(denom))
