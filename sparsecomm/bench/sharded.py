@@ -1,0 +1,386 @@
+"""Sharded embedding step: sparsecomm's ShardedEmbeddingBag against TorchRec's row-wise sharded EmbeddingBagCollection.
+
+Every rank looks up ``--batch`` bags of ``--pooling`` ids drawn from
+Zipf(``--alpha``) over a ``--rows x --dim`` float32 table (sum pooling), takes
+``loss = sum(pooled * w)`` with a fixed random ``w`` per rank, runs backward
+and updates the table. One *step* (timed) = lookup + backward + update, the
+same table, batch and optimizer for every method, interleaved per round so
+machine noise hits all alike:
+
+  sparsecomm_hash   ``ShardedEmbeddingBag(scheme="hash")`` + ``ShardedAdagrad(rowwise=True)``
+  sparsecomm_range  the same with ``scheme="range"`` (contiguous blocks, like TorchRec's row-wise)
+  torchrec          TorchRec ``EmbeddingBagCollection`` sharded row-wise by
+                    ``DistributedModelParallel`` with fbgemm's fused CPU kernel and fused
+                    ``EXACT_ROWWISE_ADAGRAD`` (update inside backward). Needs
+                    ``pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0`` and its
+                    pure-Python deps (tensordict, pyvers, cloudpickle, pyre-extensions,
+                    typing-inspect, mypy-extensions, torchmetrics, lightning-utilities, tqdm)
+  ddp_replicated    ``nn.EmbeddingBag(sparse=True)`` replicated on every rank under DDP
+                    (gloo's sparse allreduce) + ``torch.optim.Adagrad``: what a user does
+                    without sharding (element-wise Adagrad: torch has no row-wise one)
+
+Row-wise Adagrad with gradients *summed* over ranks (what TorchRec's fused
+optimizer does; ``grad_reduction="sum"`` on the sharded table). DDP averages.
+
+``MB/rank`` is what a rank holds for the table: its rows, its optimizer state
+and (hash) its ownership map, counted from the tensors; ``floor_MB`` is V/N
+rows of values + one row-wise accumulator each. ``wire_MB`` is what
+sparsecomm's exchanges moved per step and rank (sent + received, from the
+table's ``stats``).
+
+Checks (``#wrong``): every method starts from the same seeded table; its first
+step's pooled output must equal a float64 lookup of that table, and the step
+after the warm-up must equal a float64 simulation of that many updates on the
+rows every rank touches (from every rank's seeded batch), with the method's
+own rule (row-wise/sum, or element-wise/mean for DDP).
+
+Examples::
+
+    python -m sparsecomm.bench sharded --nproc 2,4
+    torchrun --nproc-per-node 4 -m sparsecomm.bench sharded --rows 4000000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from sparsecomm.bench.harness import Row, Stopwatch
+from sparsecomm.bench.launch import add_launch_args, run_distributed
+from sparsecomm.sharded import ShardedAdagrad, ShardedEmbeddingBag
+from sparsecomm.synthetic import zipf_ids
+
+METHODS = ("sparsecomm_hash", "sparsecomm_range", "torchrec", "ddp_replicated")
+TOL = 1e-4
+
+
+# ---------------------------------------------------------------- workload
+
+
+def initial_table(a: argparse.Namespace) -> torch.Tensor:
+    return torch.randn(a.rows, a.dim, generator=torch.Generator().manual_seed(a.seed))
+
+
+_perms: Dict[Tuple[int, int], torch.Tensor] = {}
+
+
+def batch_of(a: argparse.Namespace, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s ids ``(batch, pooling)`` and loss weights ``(batch, dim)``.
+
+    Frequency ranks map to ids through one permutation shared by all ranks:
+    the hot ids are the same everywhere, as in real data, and scattered over
+    the table (so over the owners, under either scheme).
+    """
+    key = (a.rows, a.seed)
+    if key not in _perms:
+        _perms[key] = torch.randperm(a.rows, generator=torch.Generator().manual_seed(a.seed + 0x5EED))
+    ranks = zipf_ids(a.batch * a.pooling, a.rows, a.alpha, seed=a.seed * 1000 + rank, shuffle=False)
+    ids = _perms[key][ranks].view(a.batch, a.pooling)
+    w = torch.randn(a.batch, a.dim, generator=torch.Generator().manual_seed(a.seed * 1000 + 7 + rank))
+    return ids, w
+
+
+class Reference:
+    """Float64 simulation of the training, on the rows any rank touches (never the whole table)."""
+
+    def __init__(self, a: argparse.Namespace, world: int, me: int, table: torch.Tensor) -> None:
+        self.a, self.world, self.me = a, world, me
+        batches = [batch_of(a, r) for r in range(world)]
+        unique, inverse = torch.unique(torch.cat([ids.reshape(-1) for ids, _ in batches]), return_inverse=True)
+        self.rows0 = table[unique].double()
+        self.inverse = inverse.view(world, a.batch, a.pooling)
+        self.weights = [w.double() for _, w in batches]
+        self.distinct = [int(torch.unique(ids).numel()) for ids, _ in batches]
+        self._cache: Dict[Tuple[int, str], torch.Tensor] = {}
+
+    def output(self, steps: int, rule: str) -> torch.Tensor:
+        """This rank's pooled output after ``steps`` updates with ``rule`` ("rowwise_sum"/"elementwise_mean")."""
+        key = (steps, rule)
+        if key not in self._cache:
+            a = self.a
+            rows, acc = self.rows0.clone(), None
+            for _ in range(steps):
+                # d loss / d row = sum over the lookups of that row of the bag's weight vector.
+                grad = torch.zeros_like(rows)
+                for r in range(self.world):
+                    per_lookup = self.weights[r][:, None, :].expand(-1, a.pooling, -1).reshape(-1, a.dim)
+                    grad.index_add_(0, self.inverse[r].reshape(-1), per_lookup)
+                if rule == "rowwise_sum":
+                    acc = torch.zeros(len(rows), dtype=torch.float64) if acc is None else acc
+                    acc += grad.pow(2).mean(1)
+                    rows -= a.lr * grad / (acc.sqrt() + a.eps)[:, None]
+                else:
+                    grad /= self.world
+                    acc = torch.zeros_like(rows) if acc is None else acc
+                    acc += grad.pow(2)
+                    rows -= a.lr * grad / (acc.sqrt() + 1e-10)
+            self._cache[key] = F.embedding_bag(self.inverse[self.me], rows, mode="sum")
+        return self._cache[key]
+
+    def wrong(self, got: torch.Tensor, steps: int, rule: str) -> int:
+        ref = self.output(steps, rule)
+        if got.shape != ref.shape:
+            return ref.numel()
+        return int(((got.double() - ref).abs() > TOL * (1 + ref.abs())).sum())
+
+
+# ----------------------------------------------------------------- methods
+
+
+class Method:
+    """One way to train the table: ``step()`` returns the pooled output it computed."""
+
+    rule = "rowwise_sum"
+
+    def step(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def memory_bytes(self) -> int:
+        raise NotImplementedError
+
+    def wire_bytes(self) -> Optional[float]:
+        return None
+
+    def local_rows(self) -> int:
+        raise NotImplementedError
+
+
+class Sparsecomm(Method):
+    def __init__(self, a, table, ids, w, scheme: str) -> None:
+        self.emb = ShardedEmbeddingBag(a.rows, a.dim, mode="sum", scheme=scheme, grad_reduction="sum",
+                                       _weight=table, seed=0)
+        self.opt = ShardedAdagrad(self.emb, lr=a.lr, eps=a.eps, rowwise=True)
+        self.ids, self.w = ids, w
+        self.steps = 0
+
+    def step(self) -> torch.Tensor:
+        self.opt.zero_grad()
+        out = self.emb(self.ids)
+        (out * self.w).sum().backward()
+        self.opt.step()
+        self.steps += 1
+        return out.detach()
+
+    def memory_bytes(self) -> int:
+        return self.emb.memory_bytes()
+
+    def wire_bytes(self) -> Optional[float]:
+        s = self.emb.stats
+        return (s.bytes_sent + s.bytes_recv) / max(1, self.steps)
+
+    def local_rows(self) -> int:
+        return self.emb.layout.num_local
+
+
+class TorchRec(Method):
+    def __init__(self, a, table, ids, w) -> None:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+        from torchrec.distributed.types import ShardingPlan
+
+        n = dist.get_world_size()
+        ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+            name="t0", embedding_dim=a.dim, num_embeddings=a.rows, feature_names=["f0"],
+            pooling=PoolingType.SUM)], device=torch.device("meta"))
+        sharder = EmbeddingBagCollectionSharder(fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": a.lr, "eps": a.eps})
+        # TorchRec's planner offers row-wise sharding only for CUDA; the plan itself runs on CPU.
+        plan = ShardingPlan({"": construct_module_sharding_plan(
+            ebc, per_param_sharding={"t0": row_wise(compute_kernel="fused")}, local_size=n, world_size=n,
+            device_type="cpu", sharder=sharder)})
+        self.model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+        self.weight = self.model.state_dict()["embedding_bags.t0.weight"]
+        self._rows = 0
+        with torch.no_grad():
+            for shard in self.weight.local_shards():
+                lo = shard.metadata.shard_offsets[0]
+                shard.tensor.copy_(table[lo:lo + shard.tensor.shape[0]])
+                self._rows += shard.tensor.shape[0]
+        self.kjt = KeyedJaggedTensor(keys=["f0"], values=ids.reshape(-1),
+                                     lengths=torch.full((ids.shape[0],), ids.shape[1], dtype=torch.int32))
+        self.w = w
+
+    def step(self) -> torch.Tensor:
+        out = self.model(self.kjt)
+        pooled = (out.wait() if hasattr(out, "wait") else out).values()
+        (pooled * self.w).sum().backward()  # the fused optimizer updates inside backward
+        return pooled.detach()
+
+    def memory_bytes(self) -> int:
+        total = sum(s.tensor.numel() * s.tensor.element_size() for s in self.weight.local_shards())
+
+        def walk(x: Any) -> int:
+            if isinstance(x, dict):
+                return sum(walk(v) for v in x.values())
+            if hasattr(x, "local_shards"):
+                return sum(s.tensor.numel() * s.tensor.element_size() for s in x.local_shards())
+            return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+        return total + walk(self.model.fused_optimizer.state_dict()["state"])
+
+    def local_rows(self) -> int:
+        return self._rows
+
+
+class DDPReplicated(Method):
+    rule = "elementwise_mean"
+
+    def __init__(self, a, table, ids, w) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.emb = nn.EmbeddingBag(a.rows, a.dim, mode="sum", sparse=True, _weight=table.clone())
+        self.model = DDP(self.emb)
+        self.opt = torch.optim.Adagrad(self.emb.parameters(), lr=a.lr)
+        self.ids, self.w = ids, w
+
+    def step(self) -> torch.Tensor:
+        self.opt.zero_grad()
+        out = self.model(self.ids)
+        (out * self.w).sum().backward()
+        self.opt.step()
+        return out.detach()
+
+    def memory_bytes(self) -> int:
+        p = self.emb.weight
+        state = sum(v.numel() * v.element_size() for v in self.opt.state[p].values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0) if p in self.opt.state else p.numel() * 4
+        return p.numel() * p.element_size() + state
+
+    def local_rows(self) -> int:
+        return self.emb.weight.shape[0]
+
+
+def make_method(name: str, a, table, ids, w) -> Method:
+    if name == "sparsecomm_hash":
+        return Sparsecomm(a, table, ids, w, "hash")
+    if name == "sparsecomm_range":
+        return Sparsecomm(a, table, ids, w, "range")
+    if name == "torchrec":
+        return TorchRec(a, table, ids, w)
+    if name == "ddp_replicated":
+        return DDPReplicated(a, table, ids, w)
+    raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+
+
+# -------------------------------------------------------------------- body
+
+
+def _agree_ok(ok: bool) -> bool:
+    # A method that fails on one rank is dropped on all, so the ranks' collectives stay in step.
+    flags: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, ok)
+    return all(flags)
+
+
+def _run_method(name: str, a, table, ids, w, ref: Reference) -> Dict[str, Any]:
+    """Build, check (first step, and the step after warm-up), then time one method on this rank."""
+    res: Dict[str, Any] = {}
+    method: Optional[Method] = None
+    try:
+        method = make_method(name, a, table, ids, w)
+        res["wrong"] = ref.wrong(method.step(), 0, method.rule)
+        for _ in range(a.warmup - 1):
+            method.step()
+        res["wrong"] += ref.wrong(method.step(), a.warmup, method.rule)
+    except Exception as exc:  # e.g. TorchRec missing or failing: report the exact error
+        res["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    if not _agree_ok("error" not in res):
+        res.setdefault("error", "failed on another rank")
+        return res
+    res["memory"] = method.memory_bytes()
+    res["rows"] = method.local_rows()
+    res["method"] = method
+    return res
+
+
+def body(a: argparse.Namespace) -> List[Row]:
+    n, me = dist.get_world_size(), dist.get_rank()
+    if a.device != "cpu":
+        raise SystemExit("sharded: CPU only (gloo), as TorchRec's CPU kernels")
+    names = [m for m in a.methods.split(",") if m]
+    table = initial_table(a)
+    ids, w = batch_of(a, me)
+    ref = Reference(a, n, me, table)
+    if me == 0:
+        print(f"# sharded embedding step: world={n} table={a.rows}x{a.dim} float32 batch={a.batch}x{a.pooling}/rank "
+              f"zipf({a.alpha:g}) union={len(ref.rows0)} k(rank0)={ref.distinct[0]} row-wise Adagrad lr={a.lr} "
+              f"warmup={a.warmup} iters={a.iters} threads/rank={torch.get_num_threads()}", flush=True)
+    results = {name: _run_method(name, a, table, ids, w, ref) for name in names}
+    del table
+    live = [name for name in names if "method" in results[name]]
+    times: Dict[str, List[float]] = {name: [] for name in live}
+    watch = Stopwatch("cpu")
+    for it in range(a.iters):
+        order = live[it % len(live):] + live[:it % len(live)] if live else []  # rotate: no favoured slot
+        for name in order:
+            dist.barrier()
+            watch.start()
+            results[name]["method"].step()
+            times[name].append(watch.stop())
+    mine = {}
+    for name in names:
+        r = results[name]
+        m = r.get("method")
+        mine[name] = dict(time=statistics.median(times[name]) if times.get(name) else None,
+                          wrong=r.get("wrong"), error=r.get("error"), memory=r.get("memory"), rows=r.get("rows"),
+                          wire=m.wire_bytes() if m is not None else None)
+    everyone: List[Any] = [None] * n
+    dist.all_gather_object(everyone, mine)
+    return _rows(a, n, names, everyone, ref) if me == 0 else []
+
+
+def _rows(a, n: int, names: Sequence[str], everyone: Sequence[Dict[str, Any]], ref: Reference) -> List[Row]:
+    floor_mb = a.rows / n * (a.dim * 4 + 4) / 1e6
+    med = {name: statistics.median(e[name]["time"] for e in everyone) if all(e[name]["time"] for e in everyone)
+           else None for name in names}
+    out = []
+    for name in names:
+        per = [e[name] for e in everyone]
+        cols: Dict[str, Any] = {"world": n, "table": f"{a.rows}x{a.dim}", "bags/rank": f"{a.batch}x{a.pooling}",
+                                "union": len(ref.rows0), "method": name}
+        errors = [p["error"] for p in per if p["error"]]
+        if errors:
+            cols["error"] = errors[0]
+            cols["#wrong"] = -1
+            out.append(Row(cols))
+            continue
+        t = med[name]
+        cols.update(step_ms=t * 1e3, max_rank_ms=max(p["time"] for p in per) * 1e3,
+                    vs_torchrec=med["torchrec"] / t if med.get("torchrec") else "",
+                    rows_max=max(p["rows"] for p in per),
+                    MB_per_rank=statistics.mean(p["memory"] for p in per) / 1e6,
+                    MB_max=max(p["memory"] for p in per) / 1e6, floor_MB=floor_mb,
+                    wire_MB=statistics.mean(p["wire"] for p in per) / 1e6 if per[0]["wire"] is not None else "",
+                    **{"#wrong": int(sum(p["wrong"] for p in per))})
+        out.append(Row(cols))
+    return out
+
+
+def run(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(argv or [])
+    p = argparse.ArgumentParser(prog="sparsecomm.bench sharded", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=1_000_000, help="table rows V (default 1M)")
+    p.add_argument("--dim", type=int, default=64, help="row width d (default 64)")
+    p.add_argument("--batch", type=int, default=2048, help="bags per rank (default 2048)")
+    p.add_argument("--pooling", type=int, default=20, help="ids per bag (default 20)")
+    p.add_argument("--alpha", type=float, default=1.1, help="Zipf skew of the ids (default 1.1)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--eps", type=float, default=1e-8, help="row-wise Adagrad eps (default 1e-8)")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per method (default 3)")
+    p.add_argument("--iters", type=int, default=10, help="timed rounds (default 10)")
+    add_launch_args(p)
+    a = p.parse_args(argv)
+    return run_distributed("sharded", argv, a, body, "sharded embedding step (median over ranks)")
+
