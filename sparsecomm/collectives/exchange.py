@@ -54,32 +54,57 @@ def _count_bytes(stats: Optional[SparseSyncStats], send: Sequence[int], recv: Se
             stats.bytes_recv_inter_node += r
 
 
+def _exchange_packed(send: torch.Tensor, send_counts: List[int], recv_counts: List[int], row_bytes: List[int],
+                     group: Optional[dist.ProcessGroup], device: torch.device, stats: Optional[SparseSyncStats],
+                     peer_node: Optional[Sequence[int]]) -> List[torch.Tensor]:
+    """One all-to-all of packed rows; returns each tensor's received bytes, in source-rank order.
+
+    Layout of every peer's chunk, both ways: the chunk's rows of tensor 0,
+    then of tensor 1, ... (row widths ``row_bytes``).
+    """
+    per_row = sum(row_bytes)
+    recv = torch.empty(sum(recv_counts) * per_row, dtype=torch.uint8, device=device)
+    s_bytes = [c * per_row for c in send_counts]
+    r_bytes = [c * per_row for c in recv_counts]
+    dist.all_to_all_single(recv, send, r_bytes, s_bytes, group=group)
+    _count_bytes(stats, s_bytes, r_bytes, dist.get_rank(group), peer_node)
+    if len(row_bytes) == 1:
+        return [recv]
+    chunks: List[List[torch.Tensor]] = [[] for _ in row_bytes]
+    offset = 0
+    for c in recv_counts:
+        for i, rb in enumerate(row_bytes):
+            chunks[i].append(recv[offset:offset + c * rb])
+            offset += c * rb
+    return [torch.cat(ch) for ch in chunks]
+
+
 def all_to_all_rows(tensors: Sequence[torch.Tensor], send_counts: List[int], recv_counts: List[int],
                     group: Optional[dist.ProcessGroup], device: torch.device,
                     stats: Optional[SparseSyncStats] = None, peer_node: Optional[Sequence[int]] = None
                     ) -> List[torch.Tensor]:
     """Send rows ``[offset_j, offset_j + send_counts[j])`` of each tensor to group rank j.
 
-    All tensors share the row counts (e.g. ids and their value rows); their
-    exchanges are issued together and awaited together.
+    All tensors share the row counts (e.g. ids and their value rows). Several
+    tensors travel in one all-to-all, each peer's rows of every tensor back to
+    back: one collective's latency instead of one per tensor, for a copy on
+    each side (at the sizes this library moves, latency is the larger cost).
 
     Returns:
         One tensor per input: the received rows, ordered by source rank.
     """
-    me = dist.get_rank(group)
-    works, outs = [], []
-    for t in tensors:
-        row_bytes = math.prod(t.shape[1:]) * t.element_size()
-        send = _as_bytes(t.to(device))
-        recv = torch.empty(sum(recv_counts) * row_bytes, dtype=torch.uint8, device=device)
-        s_bytes = [c * row_bytes for c in send_counts]
-        r_bytes = [c * row_bytes for c in recv_counts]
-        works.append(dist.all_to_all_single(recv, send, r_bytes, s_bytes, group=group, async_op=True))
-        outs.append((recv, t))
-        _count_bytes(stats, s_bytes, r_bytes, me, peer_node)
-    for w in works:
-        w.wait()
-    return [recv.view(t.dtype).view(-1, *t.shape[1:]) for recv, t in outs]
+    row_bytes = [math.prod(t.shape[1:]) * t.element_size() for t in tensors]
+    flat = [_as_bytes(t.to(device)) for t in tensors]
+    if len(tensors) == 1:
+        send = flat[0]
+    else:
+        pieces, offset = [], 0
+        for c in send_counts:
+            pieces += [f[offset * rb:(offset + c) * rb] for f, rb in zip(flat, row_bytes)]
+            offset += c
+        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    parts = _exchange_packed(send, send_counts, recv_counts, row_bytes, group, device, stats, peer_node)
+    return [p.view(t.dtype).view(-1, *t.shape[1:]) for p, t in zip(parts, tensors)]
 
 
 def exchange_counts(send_counts: torch.Tensor, group: Optional[dist.ProcessGroup], device: torch.device,
@@ -96,7 +121,8 @@ def exchange_counts(send_counts: torch.Tensor, group: Optional[dist.ProcessGroup
 def push_to_owners(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist.ProcessGroup], *,
                    num_owners: int, stride: int, scheme: str, num_rows: int, range_size: int,
                    wire_ids: torch.dtype, sum_dtype: torch.dtype, device: torch.device,
-                   stats: Optional[SparseSyncStats] = None, peer_node: Optional[Sequence[int]] = None
+                   stats: Optional[SparseSyncStats] = None, peer_node: Optional[Sequence[int]] = None,
+                   part: Optional[ops.Partition] = None, recv_counts: Optional[List[int]] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Send each row to its owner in ``group`` and sum what this rank owns.
 
@@ -104,14 +130,19 @@ def push_to_owners(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
         ids, values: this rank's coalesced rows.
         num_owners: ranks of ``group``; owner of id = (bucket(id) // stride) % num_owners.
         sum_dtype: dtype the owner accumulates in (float32 for fp16/bf16).
+        part, recv_counts: the partition of ``ids`` and the row counts this
+            rank receives, when the caller already has them (the counts can
+            travel with other metadata and save a collective).
 
     Returns:
         ``(owned_ids, sums)``: sorted ids this rank owns, and the sum over ranks
         of their rows (in ``sum_dtype``), added in rank order: deterministic.
     """
-    part = ops.partition_rows(ids, values, num_owners, scheme, num_rows, range_size=range_size, stride=stride)
+    if part is None:
+        part = ops.partition_rows(ids, values, num_owners, scheme, num_rows, range_size=range_size, stride=stride)
     send_counts = part.counts.tolist()
-    recv_counts = exchange_counts(part.counts, group, device, stats, peer_node)
+    if recv_counts is None:
+        recv_counts = exchange_counts(part.counts, group, device, stats, peer_node)
     recv_ids, recv_values = all_to_all_rows([part.ids.to(wire_ids), part.values], send_counts, recv_counts,
                                             group, device, stats, peer_node)
     recv_ids = _kernel_ids(recv_ids.to(ids.device))
@@ -133,14 +164,17 @@ def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
     """
     n = dist.get_world_size(group)
     if counts is None:
-        gathered = torch.empty(n, dtype=torch.int64, device=device)
-        all_gather_single(gathered, torch.tensor([ids.shape[0]], dtype=torch.int64, device=device), group=group)
-        _count_bytes(stats, [8] * n, [8] * n, dist.get_rank(group), peer_node)
-        counts = gathered.tolist()
-    recv_counts = list(counts)
-    # The same rows go to every peer: repeat them so one all-to-all sends exact sizes (no padding).
-    rep_ids = ids.to(wire_ids).repeat(n)
-    rep_values = values.repeat(n, *([1] * (values.dim() - 1)))
-    out_ids, out_values = all_to_all_rows([rep_ids, rep_values], [ids.shape[0]] * n, recv_counts, group,
-                                          device, stats, peer_node)
+        # An all-to-all of one int64, not an all-gather: gloo's all-gather of a
+        # few bytes costs several times the latency of its all-to-all.
+        counts = exchange_counts(torch.full((n,), ids.shape[0], dtype=torch.int64), group, device, stats,
+                                 peer_node)
+    # The same rows go to every peer: pack them once and repeat, so one
+    # all-to-all sends exact sizes (no padding to the largest rank).
+    wire = ids.to(wire_ids)
+    packed = torch.cat([_as_bytes(wire.to(device)), _as_bytes(values.to(device))])
+    row_bytes = [wire.element_size(), math.prod(values.shape[1:]) * values.element_size()]
+    parts = _exchange_packed(packed.repeat(n), [ids.shape[0]] * n, list(counts), row_bytes, group, device, stats,
+                             peer_node)
+    out_ids = parts[0].view(wire_ids)
+    out_values = parts[1].view(values.dtype).view(-1, *values.shape[1:])
     return _kernel_ids(out_ids.to(ids.device)), out_values.to(values.device)

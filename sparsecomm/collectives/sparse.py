@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
-from sparsecomm.collectives.exchange import all_gather_single, allgather_rows, push_to_owners, wire_index_dtype
+from sparsecomm.collectives.exchange import allgather_rows, push_to_owners, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device, env_local_world_size, node_groups, run_async, twin_group
 from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats, SyncMethod
 
@@ -174,7 +174,7 @@ def _describe(row: Sequence[int]) -> str:
             f"local_world_size={row[15]}, method={list(SyncMethod)[row[16]].value}")
 
 
-_ERR_SLOT, _K_SLOT = 17, 18
+_ERR_SLOT, _K_SLOT, _COUNT_SLOT = 17, 18, 19
 
 
 def _check_meta(all_meta: List[List[int]], me: int, num_rows: int) -> None:
@@ -226,12 +226,23 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
     t1 = clock()
     stats.add_time("coalesce", t1 - t0)
 
+    # Flat partitioned path: partition now, so the push counts travel with the
+    # metadata (one all-to-all carries both; it saves a collective per call).
+    part = None
+    push_counts = [0] * n
+    range_size = max(1, -(-num_rows // n))
+    if err == _ERR_OK and method is SyncMethod.PARTITIONED and not hierarchical:
+        part = ops.partition_rows(ids, values, n, scheme, num_rows, range_size=range_size)
+        push_counts = part.counts.tolist()
     meta = _meta(tensor, op, method, scheme, lws if hierarchical else 1, err, ids.shape[0])
-    all_meta = torch.empty(n * _META_LEN, dtype=torch.int64, device=cdev)
-    all_gather_single(all_meta, torch.tensor(meta, dtype=torch.int64, device=cdev), group=group)
+    send = torch.tensor([meta[:_COUNT_SLOT] + [c] for c in push_counts], dtype=torch.int64, device=cdev)
+    recv = torch.empty_like(send)
+    # all_to_all, not all_gather: on gloo a tiny all-gather costs several times
+    # the latency of an all-to-all of the same bytes.
+    dist.all_to_all_single(recv, send, group=group)
     stats.bytes_sent += 8 * _META_LEN * (n - 1)
     stats.bytes_recv += 8 * _META_LEN * (n - 1)
-    rows = all_meta.view(n, _META_LEN).tolist()
+    rows = recv.tolist()
     _check_meta(rows, me, num_rows)
     all_k = [row[_K_SLOT] for row in rows]
     stats.rows_local_sum, stats.rows_local_max = sum(all_k), max(all_k)
@@ -242,8 +253,9 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
     sum_dtype = torch.float32 if half else values.dtype
     stats.hierarchical = hierarchical
     if method is SyncMethod.PARTITIONED:
-        ids, values = _partitioned(ids, values, group, n, lws, hierarchical, scheme, num_rows, wire_ids,
-                                   sum_dtype, op, cdev, stats, clock)
+        ids, values = _partitioned(ids, values, group, n, lws, hierarchical, scheme, num_rows, range_size,
+                                   wire_ids, sum_dtype, op, cdev, stats, clock, part,
+                                   [row[_COUNT_SLOT] for row in rows])
     else:
         if method is SyncMethod.DENSIFY:
             ids, values = _densify_allreduce(ids, values, num_rows, group, cdev, stats)
@@ -266,11 +278,10 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
     return out
 
 
-def _partitioned(ids, values, group, n, lws, hierarchical, scheme, num_rows, wire_ids, sum_dtype, op, cdev,
-                 stats, clock) -> Tuple[torch.Tensor, torch.Tensor]:
+def _partitioned(ids, values, group, n, lws, hierarchical, scheme, num_rows, range_size, wire_ids, sum_dtype, op,
+                 cdev, stats, clock, part, recv_counts) -> Tuple[torch.Tensor, torch.Tensor]:
     """Push to owners, sum, share back: the rows of all ranks, summed, sorted."""
     dtype = values.dtype
-    range_size = max(1, -(-num_rows // n))
     common = dict(scheme=scheme, num_rows=num_rows, range_size=range_size, wire_ids=wire_ids, device=cdev,
                   stats=stats)
     t0 = clock()
@@ -285,7 +296,7 @@ def _partitioned(ids, values, group, n, lws, hierarchical, scheme, num_rows, wir
     else:
         peer_node = [r // lws for r in range(n)] if lws > 1 else None
         ids, values = push_to_owners(ids, values, group, num_owners=n, stride=1, sum_dtype=sum_dtype,
-                                     peer_node=peer_node, **common)
+                                     peer_node=peer_node, part=part, recv_counts=recv_counts, **common)
     if op is ReduceOp.AVG:
         values.div_(n)
     values = values.to(dtype)
