@@ -48,8 +48,11 @@ def worker(a: argparse.Namespace) -> None:
     for mode in ("ddp-default", "sparsecomm"):
         model = DDP(copy.deepcopy(base))
         state = sparsecomm.register(model) if mode == "sparsecomm" else None
-        opts = [torch.optim.SparseAdam(model.module.emb.parameters(), lr=0.01),
-                torch.optim.Adam(model.module.mlp.parameters(), lr=0.01)]
+        if a.optimizer == "adam":
+            opts = [torch.optim.SparseAdam(model.module.emb.parameters(), lr=0.01),
+                    torch.optim.Adam(model.module.mlp.parameters(), lr=0.01)]
+        else:
+            opts = [torch.optim.SGD(model.parameters(), lr=0.05)]
         runs[mode] = dict(model=model, state=state, opts=opts, times=[], losses=[])
     del base
     for step in range(a.warmup + a.steps):
@@ -82,7 +85,7 @@ def worker(a: argparse.Namespace) -> None:
                 rows[-1]["paths"] = {k: d.method.value for k, d in r["state"].decisions.items()}
         rows[1]["speedup"] = rows[1]["samples_per_s"] / rows[0]["samples_per_s"]
         print(f"# DDP end-to-end: EmbeddingBag {a.rows} x {a.dim} fp32 (sparse), bag {a.bag}, Zipf({a.alpha}), "
-              f"batch {a.batch_size}/rank, {a.steps} timed steps, world {topo.world_size}, "
+              f"batch {a.batch_size}/rank, {a.optimizer}, {a.steps} timed steps, world {topo.world_size}, "
               f"{torch.get_num_threads()} threads/rank")
         for row in rows:
             print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
@@ -98,6 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--bag", type=int, default=8, help="ids per sample")
     p.add_argument("--batch-size", type=int, default=512, help="samples per rank per step")
     p.add_argument("--alpha", type=float, default=1.1)
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="adam",
+                   help="adam: SparseAdam for the table + Adam for the MLP; sgd: SGD for all")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     a = p.parse_args(argv)
