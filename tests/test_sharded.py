@@ -50,7 +50,8 @@ TRAIN_CASES = [
     ("bag-sum-adagrad-hash-float32", "bag-sum", "adagrad", "hash", torch.float32, "2d"),
 ]
 OTHER_CASES = ["errors", "memory", "state_dict", "export_import", "optimizer_api", "checkpoint_save",
-               "checkpoint_refused"] + [f"checkpoint_load_from_{w}" for w in WORLDS]
+               "checkpoint_refused", "bench_smoke"] + [f"checkpoint_load_from_{w}" for w in WORLDS]
+BENCH_WORLD = 2  # the sharded benchmark's body runs (tiny) in this spawn only
 ALL_CASES = [c[0] for c in TRAIN_CASES] + OTHER_CASES
 
 
@@ -463,6 +464,26 @@ def case_checkpoint_refused(rank, world, root):
     dist.barrier()
 
 
+def case_bench_smoke(rank, world):
+    """The benchmark's body on a tiny table: every method it can run here must check out (#wrong == 0)."""
+    import argparse
+    import importlib.util
+
+    from sparsecomm.bench import sharded as bench
+
+    methods = ["sparsecomm_hash", "sparsecomm_range", "ddp_replicated"]
+    if importlib.util.find_spec("torchrec") is not None:
+        methods.append("torchrec")
+    a = argparse.Namespace(rows=5000, dim=8, batch=64, pooling=5, alpha=1.1, lr=0.05, eps=1e-8, seed=0,
+                           warmup=2, iters=2, methods=",".join(methods), device="cpu")
+    rows = bench.body(a)
+    if rank == 0:
+        assert [r.cols["method"] for r in rows] == methods
+        for r in rows:
+            assert r.cols["#wrong"] == 0 and r.cols["step_ms"] > 0, r.cols
+    return methods
+
+
 def _worker(rank, world, root):
     results = {}
 
@@ -484,6 +505,8 @@ def _worker(rank, world, root):
     run("optimizer_api", case_optimizer_api, rank, world)
     run("checkpoint_save", case_checkpoint_save, rank, world, root)
     run("checkpoint_refused", case_checkpoint_refused, rank, world, root)
+    if world == BENCH_WORLD:
+        run("bench_smoke", case_bench_smoke, rank, world)
     for w in WORLDS:
         run(f"checkpoint_load_from_{w}", case_checkpoint_load, rank, world, root, w)
     return results
@@ -508,7 +531,8 @@ def _loads_before(world, case):
 
 
 @pytest.mark.parametrize("world,case", [(w, c) for w in WORLDS for c in ALL_CASES
-                                        if not c.startswith("checkpoint_load_from_") or _loads_before(w, c)])
+                                        if (not c.startswith("checkpoint_load_from_") or _loads_before(w, c))
+                                        and (c != "bench_smoke" or w == BENCH_WORLD)])
 def test_rank_case(runs, world, case):
     results = runs[1][world]
     for rank in range(world):

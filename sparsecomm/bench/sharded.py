@@ -67,21 +67,15 @@ def initial_table(a: argparse.Namespace) -> torch.Tensor:
     return torch.randn(a.rows, a.dim, generator=torch.Generator().manual_seed(a.seed))
 
 
-_perms: Dict[Tuple[int, int], torch.Tensor] = {}
-
-
 def batch_of(a: argparse.Namespace, rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s ids ``(batch, pooling)`` and loss weights ``(batch, dim)``.
 
-    Frequency ranks map to ids through one permutation shared by all ranks:
-    the hot ids are the same everywhere, as in real data, and scattered over
-    the table (so over the owners, under either scheme).
+    The ranks draw with different seeds from one popularity order: the hot
+    ids are the same everywhere, as in real data, and scattered over the
+    table (so over the owners, under either scheme).
     """
-    key = (a.rows, a.seed)
-    if key not in _perms:
-        _perms[key] = torch.randperm(a.rows, generator=torch.Generator().manual_seed(a.seed + 0x5EED))
-    ranks = zipf_ids(a.batch * a.pooling, a.rows, a.alpha, seed=a.seed * 1000 + rank, shuffle=False)
-    ids = _perms[key][ranks].view(a.batch, a.pooling)
+    ids = zipf_ids(a.batch * a.pooling, a.rows, a.alpha, seed=a.seed * 1000 + rank,
+                   popularity_seed=a.seed).view(a.batch, a.pooling)
     w = torch.randn(a.batch, a.dim, generator=torch.Generator().manual_seed(a.seed * 1000 + 7 + rank))
     return ids, w
 
