@@ -18,7 +18,9 @@ only the rows it takes are read into memory), keeps the rows that it owns
 under the *current* world size and scheme, and checks that every one of its
 rows arrived exactly once. Values, optimizer moments and step counts all move
 with their rows. All checks are agreed across ranks: if any rank refuses, all
-refuse, before anything is modified.
+refuse, before anything is modified. The directory must be one that every
+rank sees (a shared filesystem across nodes), since every rank may need rows
+from every shard.
 """
 
 from __future__ import annotations

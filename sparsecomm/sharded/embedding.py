@@ -138,7 +138,7 @@ class _ShardedTable(nn.Module):
         chunks; under "hash" it draws every chunk once and keeps its rows
         (time ~V, memory one chunk). The padding row is zeroed.
         """
-        ids = self.layout.owned_ids()
+        ids = self.layout.owned_ids().cpu()
         bounds = torch.searchsorted(ids, torch.arange(0, self.num_embeddings + _INIT_CHUNK, _INIT_CHUNK)).tolist()
         for chunk in range(len(bounds) - 1):
             lo, hi = bounds[chunk], bounds[chunk + 1]
