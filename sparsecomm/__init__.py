@@ -8,9 +8,16 @@ all-to-all, summed there, and shared back.
 from sparsecomm import ops
 from sparsecomm.collectives import last_stats, sparse_allreduce
 from sparsecomm.collectives.bootstrap import init_distributed, shutdown, topology
+from sparsecomm import sharded
 from sparsecomm.hooks import SparseCommState, register, sparsecomm_hook
+from sparsecomm.sharded import ShardedAdagrad, ShardedAdam, ShardedEmbedding, ShardedEmbeddingBag, ShardedSGD
 from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod, Topology
 
 __version__ = "0.1.0"
-__all__ = ["ops", "init_distributed", "shutdown", "topology", "sparse_allreduce", "last_stats", "register", "sparsecomm_hook", "SparseCommState", "SyncMethod", "PartitionScheme", "SparseSyncStats", "Topology",
-           "__version__"]
+__all__ = [
+    "ops", "init_distributed", "shutdown", "topology",
+    "sparse_allreduce", "last_stats", "SparseSyncStats", "SyncMethod", "PartitionScheme", "Topology",
+    "register", "sparsecomm_hook", "SparseCommState",
+    "sharded", "ShardedEmbedding", "ShardedEmbeddingBag", "ShardedSGD", "ShardedAdagrad", "ShardedAdam",
+    "__version__",
+]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,9 @@ def _clean_env():
 
 
 def _rank_lines(stdout):
-    return sorted((json.loads(l) for l in stdout.splitlines() if l.startswith("{")), key=lambda d: d["rank"])
+    # Ranks share one stdout: two ranks' lines can land on one line, so find each object.
+    found = [json.loads(m) for m in re.findall(r'\{"rank":[^{}]*\}', stdout)]
+    return sorted(found, key=lambda d: d["rank"])
 
 
 def _check(lines, world):

@@ -10,6 +10,7 @@ BENCHMARKS = {
     "kernels": "sparsecomm.bench.kernels",
     "allreduce": "sparsecomm.bench.allreduce",
     "sparse_sync": "sparsecomm.bench.sparse_sync",
+    "sharded": "sparsecomm.bench.sharded",
 }
 
 
