@@ -57,7 +57,6 @@ PYBIND11_MODULE(_C, m) {
            int64_t num_owners, int64_t range_size, int64_t stride, uintptr_t counts, uintptr_t out_ids,
            uintptr_t out_values, uintptr_t perm, int threads) {
           const IndexType it = to_index_type(index_code);
-          if (scheme != 0 && scheme != 1) throw std::invalid_argument("sparsecomm: unknown partition scheme");
           const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
           py::gil_scoped_release release;
           partition_rows(ptr(ids), it, n, ptr(values), row_bytes, map, ptr<int64_t>(counts), ptr(out_ids),
@@ -70,7 +69,10 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("row_owner",
         [](int64_t id, int scheme, int64_t num_owners, int64_t range_size, int64_t stride) {
-          return row_owner(id, OwnerMap{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride});
+          const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
+          check_owner_map(map);
+          if (id < 0) throw std::invalid_argument("sparsecomm: ids must be non-negative");
+          return row_owner(id, map);
         },
         "Owner of one id (for tests and diagnostics).");
 

@@ -21,6 +21,9 @@ struct OwnerMap {
   int64_t stride;
 };
 
+// Throws std::invalid_argument (Python ValueError) for a scheme/owner count/size that would divide by zero.
+void check_owner_map(const OwnerMap& map);
+
 int64_t row_owner(int64_t id, const OwnerMap& map);
 
 // Writes the sorted unique ids of `groups` to out_ids and their row sums to out_values.

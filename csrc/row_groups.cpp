@@ -1,5 +1,7 @@
 #include "row_groups.h"
 
+#include "counting_sort.h"
+
 #include <algorithm>
 #include <climits>
 #include <limits>
@@ -34,46 +36,22 @@ IdRange check_ids(const void* ids, IndexType it, int64_t n, int64_t num_rows, in
 namespace {
 
 // One stable counting-sort pass over digit (key >> shift) & mask, moving
-// (key, pos) pairs from src to dst. Threads take contiguous chunks and
-// scatter in chunk order, so the pass is stable for any thread count.
+// (key, pos) pairs from src to dst.
 template <typename K, typename P>
 void radix_pass(const K* key_src, const P* pos_src, K* key_dst, P* pos_dst, int64_t n, int shift, K mask,
                 int threads) {
-  const int64_t buckets = static_cast<int64_t>(mask) + 1;
-  std::vector<int64_t> hist(static_cast<size_t>(threads) * buckets, 0);
-#pragma omp parallel num_threads(threads)
-  {
-    int t = 0;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-#endif
-    const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
-    int64_t* h = hist.data() + static_cast<size_t>(t) * buckets;
-    for (int64_t i = lo; i < hi; ++i) ++h[(key_src[i] >> shift) & mask];
-#pragma omp barrier
-#pragma omp single
-    {
-      int64_t sum = 0;
-      for (int64_t b = 0; b < buckets; ++b)
-        for (int u = 0; u < threads; ++u) {
-          int64_t& c = hist[static_cast<size_t>(u) * buckets + b];
-          const int64_t cnt = c;
-          c = sum;
-          sum += cnt;
-        }
-    }
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t dst = h[(key_src[i] >> shift) & mask]++;
-      key_dst[dst] = key_src[i];
-      pos_dst[dst] = pos_src[i];
-    }
-  }
+  stable_counting_sort(
+      n, static_cast<int64_t>(mask) + 1, threads, [&](int64_t i) { return static_cast<int64_t>((key_src[i] >> shift) & mask); },
+      [&](int64_t i, int64_t dst) {
+        key_dst[dst] = key_src[i];
+        pos_dst[dst] = pos_src[i];
+      });
 }
 
 // Scratch buffers reused across calls by the calling thread: fresh pages
 // cost as much as the sort itself here (first-touch faults), so inputs up to
 // kScratchCacheRows keep theirs; larger ones allocate and free per call.
-constexpr int64_t kScratchCacheRows = int64_t{1} << 22;
+constexpr int64_t kScratchCacheRows = int64_t{1} << 20;  // at most 32 MiB kept per thread
 
 template <typename K, typename P>
 struct RadixScratch {

@@ -269,3 +269,33 @@ def test_value_errors_name_the_argument():
 def test_openmp_is_compiled_in():
     assert _C.openmp_enabled()
     assert isinstance(np.__version__, str)
+
+
+def test_smaller_openmp_team_than_requested_gives_the_same_results():
+    # OMP_THREAD_LIMIT / OMP_DYNAMIC may start fewer threads than asked for;
+    # chunking by the requested count would leave rows unsorted or unmoved.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from sparsecomm import ops\n"
+        "torch.set_num_threads(4)\n"
+        "ids = torch.randint(0, 50000, (100000,), generator=torch.Generator().manual_seed(0))\n"
+        "v = torch.ones(100000, 3)\n"
+        "u, s = ops.coalesce_rows(ids, v)\n"
+        "ref = torch.unique(ids)\n"
+        "ok = torch.equal(u, ref) and float(s.sum()) == 300000.0\n"
+        "p = ops.partition_rows(ids, None, 3)\n"
+        "ok = ok and int(p.counts.sum()) == 100000 and torch.equal(ids[p.perm], p.ids)\n"
+        "print('OK' if ok else 'WRONG')\n")
+    for env in ({"OMP_THREAD_LIMIT": "1"}, {"OMP_DYNAMIC": "true"}):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**__import__("os").environ, **env})
+        assert out.stdout.strip() == "OK", (env, out.stdout, out.stderr[-2000:])
+
+
+def test_row_owner_rejects_bad_maps_instead_of_crashing():
+    for args in [(5, 0, 0, 1, 1), (5, 1, 2, 0, 1), (5, 7, 2, 1, 1), (-1, 0, 2, 1, 1), (5, 0, 2, 1, 0)]:
+        with pytest.raises(ValueError):
+            _C.row_owner(*args)
