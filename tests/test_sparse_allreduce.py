@@ -208,6 +208,14 @@ def _errors_worker(rank, world):
     bad_ids = torch.sparse_coo_tensor(torch.tensor([[1, 10 + rank]]), torch.ones(2, 4), (10, 4),
                                       check_invariants=False) if rank == world - 1 else good
     expect(bad_ids, f"rank {world - 1} passed row ids outside [0, 10)")
+    # Two sparse dims: (0, 5) in a (4, 3) table would linearize to the valid id 5.
+    grid = torch.sparse_coo_tensor(torch.tensor([[0, 1], [5 if rank == 0 else 1, 1]]), torch.ones(2, 4), (4, 3, 4),
+                                   check_invariants=False)
+    try:
+        sparsecomm.sparse_allreduce(grid)
+    except ValueError as e:
+        assert "rank 0 passed row ids outside" in str(e), str(e)
+        seen.append("inner index")
     nan = torch.sparse_coo_tensor(torch.tensor([[3]]), torch.full((1, 4), float("nan")), (10, 4))
     expect(nan if rank == 0 else good, "rank 0 passed NaN")
     # nonfinite="propagate" sums NaN like all_reduce does.
@@ -224,7 +232,7 @@ def _errors_worker(rank, world):
 def test_bad_input_raises_on_every_rank(world):
     results = run_ranks(world, _errors_worker)
     for seen in results.values():
-        assert len(seen) == 5 and seen[-1] == "TypeError"
+        assert len(seen) == 6 and seen[-1] == "TypeError" and "inner index" in seen
 
 
 def _dead_rank_worker(rank, world):

@@ -36,7 +36,8 @@ def allreduce_mean_async(buffer: torch.Tensor, group: Optional[dist.ProcessGroup
         buffer.div_(n)
         fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
-    packed = buffer.to(wire).div_(n)
+    # Divide in full precision first: a value in (65504, 65504 N) fits fp16 only after the divide.
+    packed = buffer.div_(n).to(wire)
     fut = dist.all_reduce(packed, group=group, async_op=True).get_future()
 
     def unpack(f: torch.futures.Future) -> torch.Tensor:

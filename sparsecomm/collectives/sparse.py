@@ -56,7 +56,8 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
     Args:
         tensor: sparse COO tensor, coalesced or not, e.g. an embedding's
             ``(V, d)`` gradient. Values float32/float64/float16/bfloat16
-            (fp16/bf16 are summed in float32 at the owner).
+            (fp16/bf16 are summed in float32 at each owner and rounded once
+            per level: once flat, twice with two-level aggregation).
         group: process group (default: the default group). gloo with CPU
             tensors; NCCL with CUDA tensors.
         op: ``"sum"`` or ``"avg"`` (divide by the group size, like DDP).
@@ -75,12 +76,21 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
             (every rank gathers all rows and sums locally, as Horovod does:
             cheaper for tiny batches) or ``"densify"`` (scatter into the
             dense table and allreduce it with a row mask: cheaper when most
-            rows are touched). All three give the same rows and sums.
+            rows are touched; the table travels in the tensor's dtype, as a
+            dense allreduce would). All three give the same rows and, up to
+            floating-point summation order, the same sums.
         nonfinite: ``"raise"`` (default): any NaN/Inf in any rank's values
             raises ``ValueError`` on every rank before the exchange;
             ``"propagate"``: sum them like ``all_reduce`` does (e.g. for AMP's
             overflow detection).
         stats: a :class:`SparseSyncStats` to fill (bytes, rows, phase times).
+
+    Note:
+        The first async call, and the first two-level call, for a group
+        create process groups (a twin of ``group``, node groups); like
+        ``dist.new_group`` that is collective over every process of the
+        default group, so make those first calls on all processes, with the
+        same ``local_world_size`` everywhere.
 
     Returns:
         The reduced sparse tensor, or a Future of it when ``async_op``.
@@ -137,9 +147,18 @@ def _check_tensor(tensor: torch.Tensor) -> None:
         raise TypeError(f"sparse_allreduce supports float32/float64/float16/bfloat16 values, got {tensor.dtype}")
 
 
+def _indices_in_range(indices: torch.Tensor, sparse_shape: Sequence[int]) -> bool:
+    # Per dimension: with several sparse dims an index past one dim's size
+    # would otherwise linearize into a valid id of another row.
+    if indices.numel() == 0:
+        return True
+    lo, hi = indices.amin(1).tolist(), indices.amax(1).tolist()
+    return all(0 <= a and b < size for a, b, size in zip(lo, hi, sparse_shape))
+
+
 def _linear_ids(indices: torch.Tensor, sparse_shape: Sequence[int]) -> torch.Tensor:
     # One id per row of the sparse dims (row-major), so >1 sparse dim works too.
-    ids = indices[0].clone() if indices.shape[0] else torch.zeros(0, dtype=torch.int64, device=indices.device)
+    ids = indices[0].clone()
     for dim in range(1, len(sparse_shape)):
         ids.mul_(sparse_shape[dim]).add_(indices[dim])
     return ids
@@ -216,7 +235,7 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
     # Bad input is found locally but reported through the metadata exchange,
     # so every rank raises together instead of the others hanging.
     err = _ERR_OK
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
+    if not _indices_in_range(indices, sparse_shape):
         err = _ERR_RANGE
     elif nonfinite == "raise" and values.numel() and not bool(torch.isfinite(values).all()):
         err = _ERR_NONFINITE
@@ -258,15 +277,17 @@ def _sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], 
                                    [row[_COUNT_SLOT] for row in rows])
     else:
         if method is SyncMethod.DENSIFY:
+            if op is ReduceOp.AVG:
+                # Divide before the sum, as DDP does: fp16 overflows otherwise.
+                values = values.to(sum_dtype).div_(n).to(values.dtype)
             ids, values = _densify_allreduce(ids, values, num_rows, group, cdev, stats)
-            values = values.to(sum_dtype)
         else:
             ids, values = allgather_rows(ids, values, group, wire_ids=wire_ids, device=cdev, stats=stats,
                                          counts=all_k)
             # Every rank sums the same rows in the same (rank) order: identical results everywhere.
             ids, values = ops.coalesce_rows(ids, values.to(sum_dtype), num_rows)
-        if op is ReduceOp.AVG:
-            values.div_(n)
+            if op is ReduceOp.AVG:
+                values.div_(n)
         stats.add_time("exchange", clock() - t2)
     values = values.to(tensor.dtype)
     t3 = clock()

@@ -16,6 +16,7 @@ from sparsecomm.types import SyncMethod
 __all__ = ["Decision", "choose_method", "COLLECTIVES_PER_METHOD"]
 
 # Round trips each method makes; each is charged `latency_bytes` (latency x bandwidth).
+# Flat partitioned: metadata (+ push counts), push, pull counts, pull.
 COLLECTIVES_PER_METHOD = {SyncMethod.PARTITIONED: 4, SyncMethod.ALLGATHER: 2, SyncMethod.DENSIFY: 3}
 
 

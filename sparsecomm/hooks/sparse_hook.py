@@ -15,6 +15,7 @@ Example::
 # annotation *is* dist.GradBucket, which string annotations fail.
 import collections
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Tuple
@@ -24,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from sparsecomm.collectives.dense import COMPRESSION_DTYPES, allreduce_mean_async, ring_allreduce_bytes
-from sparsecomm.collectives.groups import node_groups, twin_group
+from sparsecomm.collectives.groups import env_local_world_size, node_groups, twin_group
 from sparsecomm.collectives.sparse import sparse_allreduce
 from sparsecomm.hooks.classifier import Decision, choose_method
 from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod
@@ -70,7 +71,8 @@ class SparseCommState:
             sparse path (exact: zero rows stay zero). Off by default.
         scheme: row ownership of the partitioned path, "hash" or "range".
         local_world_size, local_aggregation: node layout for two-level
-            aggregation (see :func:`sparsecomm.sparse_allreduce`).
+            aggregation (see :func:`sparsecomm.sparse_allreduce`); default:
+            what the launcher says for the default group, else 1.
         nonfinite: "raise" (default: NaN/Inf in any gradient raises
             ``ValueError`` on every rank) or "propagate" (needed with AMP's
             ``GradScaler``, which looks for Inf itself).
@@ -88,7 +90,7 @@ class SparseCommState:
         "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every",
         # internal state
         "world_size", "sparse_group", "param_names", "dense_embedding_names", "decisions", "iteration",
-        "_decided_at", "_suggested", "_empty_sparse", "_clear_empty", "_cleanup_queued",
+        "_decided_at", "_calls", "_suggested", "_empty_sparse", "_clear_empty", "_cleanup_queued", "_lock",
         # statistics
         "stats", "step_stats", "history",
     )
@@ -115,13 +117,15 @@ class SparseCommState:
         self.overrides = overrides
         self.sparse_dense_embeddings = sparse_dense_embeddings
         self.scheme = scheme
-        self.local_world_size = local_world_size
         self.local_aggregation = local_aggregation
         self.nonfinite = nonfinite
         self.latency_bytes = latency_bytes
         self.reclassify_every = reclassify_every
 
         self.world_size = dist.get_world_size(process_group)
+        if local_world_size is None and (process_group is None or process_group is dist.GroupMember.WORLD):
+            local_world_size = env_local_world_size()  # what the launcher says, as sparse_allreduce does
+        self.local_world_size = local_world_size
         # The sparse path runs off the autograd thread: give it a group of its
         # own so its collectives never interleave with the dense allreduces.
         self.sparse_group = twin_group(process_group)
@@ -133,6 +137,8 @@ class SparseCommState:
         self.decisions: Dict[str, Decision] = {}
         self.iteration = 0
         self._decided_at: Dict[str, int] = {}
+        self._calls: Dict[str, int] = {}  # sparse syncs per parameter, counted on the autograd thread
+        self._lock = threading.Lock()     # counters are updated from the autograd and the worker thread
         self._suggested: set = set()
         self._empty_sparse: List[nn.Parameter] = []
         self._clear_empty = False
@@ -163,7 +169,7 @@ class SparseCommState:
 
     def __getstate__(self) -> Dict[str, Any]:
         # Like PowerSGDState: process groups do not pickle; the restored state uses the default group.
-        skip = {"process_group", "sparse_group", "_empty_sparse", "_cleanup_queued"}
+        skip = {"process_group", "sparse_group", "_empty_sparse", "_cleanup_queued", "_lock"}
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -173,6 +179,7 @@ class SparseCommState:
         self.sparse_group = twin_group(None)
         self._empty_sparse = []
         self._cleanup_queued = False
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------- decisions
 
@@ -184,29 +191,34 @@ class SparseCommState:
         decision = self.decisions.get(name)
         return decision.method if decision else SyncMethod.PARTITIONED  # measure first
 
-    def _maybe_decide(self, name: str, s: SparseSyncStats, elem_bytes: int) -> None:
+    def _maybe_decide(self, name: str, s: SparseSyncStats, elem_bytes: int, call: int) -> None:
+        # `call` is this parameter's sync count, taken on the autograd thread in
+        # program order: the same on every rank, unlike `iteration`, which the
+        # worker thread advances.
         if self.overrides.get(name, "auto") != "auto":
             return
         last = self._decided_at.get(name)
-        if last is not None and not (self.reclassify_every and self.iteration - last >= self.reclassify_every):
+        if last is not None and not (self.reclassify_every and call - last >= self.reclassify_every):
             return
         n = s.world_size
         decision = choose_method(n, s.num_rows, s.row_bytes // elem_bytes, elem_bytes, s.index_bytes,
                                  s.rows_local_sum / max(1, n), s.rows_out, self.latency_bytes)
         previous = self.decisions.get(name)
         self.decisions[name] = decision
-        self._decided_at[name] = self.iteration
+        self._decided_at[name] = call
         if previous is None or previous.method != decision.method:
             logger.info("sparsecomm: %s -> %s path: %s", name, decision.method.value, decision.reason)
 
     def _end_step(self) -> None:
-        self.history.append(dict(self.step_stats))
-        self.step_stats = collections.defaultdict(PathStats)
-        self.iteration += 1
+        with self._lock:
+            self.history.append(dict(self.step_stats))
+            self.step_stats = collections.defaultdict(PathStats)
+            self.iteration += 1
 
     def _record(self, path: str, sent: int, recv: int, seconds: float) -> None:
-        self.stats[path].add(sent, recv, seconds)
-        self.step_stats[path].add(sent, recv, seconds)
+        with self._lock:
+            self.stats[path].add(sent, recv, seconds)
+            self.step_stats[path].add(sent, recv, seconds)
 
 
 # --------------------------------------------------------------------- hook
@@ -244,6 +256,7 @@ def _sparse_bucket(state: SparseCommState, bucket: dist.GradBucket, grad: torch.
     params = bucket.parameters()
     name = _param_name(state, params[0], bucket, 0)
     method = state.method_for(name)
+    call = state._calls[name] = state._calls.get(name, 0) + 1
     if state._clear_empty and not state._cleanup_queued:
         # DDP queues its finalize (which waits for our futures and assigns the
         # gradients) after the last bucket's hook, i.e. after this callback.
@@ -261,7 +274,7 @@ def _sparse_bucket(state: SparseCommState, bucket: dist.GradBucket, grad: torch.
     def done(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()
         state._record(method.value, s.bytes_sent, s.bytes_recv, time.perf_counter() - start)
-        state._maybe_decide(name, s, grad.element_size())
+        state._maybe_decide(name, s, grad.element_size(), call)
         if out._nnz() == 0:
             # No rank touched the table: like single-process training, leave
             # its .grad None (see register's end-of-backward callback).
