@@ -10,7 +10,6 @@ import time
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
@@ -51,6 +50,15 @@ def wrap(model: torch.nn.Module, args: argparse.Namespace):
 def log(topo: sparsecomm.Topology, msg: str) -> None:
     if topo.rank == 0:
         print(msg, flush=True)
+
+
+def optimizer_step(opts, loss: torch.Tensor) -> float:
+    """Backward and step every optimizer; return the loss as a float."""
+    loss.backward()
+    for o in opts:
+        o.step()
+        o.zero_grad(set_to_none=True)
+    return loss.item()
 
 
 def train(args, topo, step_fn: Callable[[int], float], eval_fn: Optional[Callable[[], Dict[str, float]]],

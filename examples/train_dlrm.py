@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, finish, setup, train, wrap  # noqa: E402
+from common import add_common_args, finish, optimizer_step, setup, train, wrap  # noqa: E402
 
 from sparsecomm.synthetic import zipf_ids  # noqa: E402
 
@@ -98,13 +98,7 @@ def main(argv=None):
 
     def step(i: int) -> float:
         dense_x, bags, y = data.batch(args.batch_size, stream=topo.rank, step=i)
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        loss = loss_fn(model(dense_x, bags), y)
-        loss.backward()
-        for o in opts:
-            o.step()
-        return loss.item()
+        return optimizer_step(opts, loss_fn(model(dense_x, bags), y))
 
     def evaluate():
         with torch.no_grad():

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, finish, setup, train, wrap  # noqa: E402
+from common import add_common_args, finish, optimizer_step, setup, train, wrap  # noqa: E402
 
 from sparsecomm.synthetic import zipf_ids  # noqa: E402
 
@@ -104,13 +104,7 @@ def main(argv=None):
         words = corpus.batch(args.batch_size, args.seq_len, stream=topo.rank, step=i)
         # Negatives: the same on every rank for a step (seeded by the step), Zipf like the words.
         negatives = zipf_ids(args.negatives, args.vocab, args.alpha, seed=7_000_000 + i)
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        loss = model(words, negatives)
-        loss.backward()
-        for o in opts:
-            o.step()
-        return loss.item()
+        return optimizer_step(opts, model(words, negatives))
 
     def evaluate():
         with torch.no_grad():

@@ -12,6 +12,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT_S = 60
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launcher_free_env() -> Dict[str, str]:
+    """This environment without any launcher's variables (for starting torchrun/mpirun from a test)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MPI_")) and k not in _LAUNCHER_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
 
 
 def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, env: Dict[str, str],

@@ -7,7 +7,6 @@ printed table, never on a time.
 
 import csv
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from sparsecomm.bench.allreduce import bus_factor
 from sparsecomm.bench.harness import format_size, parse_size
 from sparsecomm.bench.launch import EXIT_WRONG
 
+from distributed import launcher_free_env
+
 MPIRUN = shutil.which("mpirun")
 DENSE_COLS = {"world", "op", "size", "count", "dtype", "time_us", "algbw_GBs", "busbw_GBs", "#wrong"}
 SPARSE_COLS = {"world", "dist", "density", "union", "method", "MB/rank", "floor_MB", "bytes/floor", "time_ms",
@@ -29,18 +30,12 @@ TINY_SPARSE = ["--rows", "3000", "--dim", "8", "--densities", "0.003,0.05", "-w"
 TINY_DENSE = ["-b", "8", "-e", "64K", "-f", "32", "-n", "2", "-w", "1", "--timeout", "60"]
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MPI_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _bench(args, launcher=(sys.executable,), timeout=150):
     """Run ``LAUNCHER -m sparsecomm.bench ARGS``; the launcher is python, torchrun or mpirun + python."""
     cmd = [*launcher, "-m", "sparsecomm.bench", *args]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _rows(path):
@@ -105,8 +100,8 @@ def test_sparse_sync_self_spawn_all_methods_correct(tmp_path):
     assert out.returncode == 0, _fail(out)
     rows = _rows(js)
     # sparsecomm_local needs two emulated nodes of 2 ranks: not at world size 2.
-    assert [r["method"] for r in rows[:4]] == PEERS + ["sparsecomm"]
-    assert len(rows) == 2 * 2 * 4
+    assert [r["method"] for r in rows[:5]] == PEERS + ["sparsecomm", "sparsecomm_auto"]
+    assert len(rows) == 2 * 2 * 5
     for r in rows:
         assert SPARSE_COLS <= set(r), r
         assert r["#wrong"] == 0 and r["time_ms"] > 0, r
@@ -122,7 +117,7 @@ def test_sparse_sync_self_spawn_all_methods_correct(tmp_path):
 
 def test_sparse_sync_wrong_results_are_counted_for_every_method(tmp_path):
     js = tmp_path / "sparse.json"
-    corrupt = ["torch_sparse", "allgather", "sparsecomm"]
+    corrupt = ["torch_sparse", "allgather", "sparsecomm", "sparsecomm_auto"]
     out = _bench(["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--densities", "0.05",
                   "--corrupt", ",".join(corrupt), "--json", str(js)])
     assert out.returncode == EXIT_WRONG, _fail(out)

@@ -1,12 +1,10 @@
 """The DDP hook against DDP without it and against single-process training on the whole batch."""
 
 import copy
-import logging
 import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -213,7 +211,7 @@ def _misuse_worker(rank, world):
         errors.append("unknown-param" if "nope.weight" in str(e) else str(e))
     try:
         sparsecomm.SparseCommState(compression="int8")
-    except ValueError as e:
+    except ValueError:
         errors.append("compression")
     # NaN in a dense gradient raises on every rank (after the allreduce, so nobody hangs).
     for p in model.module.mlp.parameters():

@@ -1,13 +1,14 @@
 """The example jobs under mpirun and torchrun: both modes train to the same loss."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from distributed import launcher_free_env
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 MPIRUN = shutil.which("mpirun")
@@ -18,12 +19,6 @@ SMALL = {
 }
 
 
-def _env():
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMI_", "SLURM_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _run(launcher, world, example, mode, steps=12):
@@ -33,7 +28,7 @@ def _run(launcher, world, example, mode, steps=12):
         cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(world), sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), *args]
-    out = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     summaries = [json.loads(l[len("SUMMARY "):]) for l in out.stdout.splitlines() if l.startswith("SUMMARY ")]
     assert len(summaries) == 1, out.stdout[-2000:]

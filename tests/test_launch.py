@@ -1,7 +1,6 @@
 """init_distributed under torchrun, mpirun and no launcher; launcher environment parsing."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -12,16 +11,12 @@ import pytest
 
 from sparsecomm.collectives.bootstrap import detect_launcher
 
+from distributed import launcher_free_env
+
 SCRIPT = Path(__file__).parent / "scripts" / "launch_check.py"
 MPIRUN = shutil.which("mpirun")
 
 
-def _clean_env():
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MPI_")) and k not in
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _rank_lines(stdout):
@@ -52,7 +47,7 @@ def test_detect_launcher(env, expected):
 
 
 def test_single_process_without_launcher():
-    out = subprocess.run([sys.executable, str(SCRIPT)], env=_clean_env(), capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(SCRIPT)], env=launcher_free_env(), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     _check(_rank_lines(out.stdout), 1)
@@ -61,7 +56,7 @@ def test_single_process_without_launcher():
 @pytest.mark.parametrize("world", [2, 3])
 def test_torchrun(world):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), str(SCRIPT)]
-    out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=240)
+    out = subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     _check(_rank_lines(out.stdout), world)
 
@@ -71,7 +66,7 @@ def test_torchrun(world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_mpirun(world):
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(world), sys.executable, str(SCRIPT)]
-    out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=240)
+    out = subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = _rank_lines(out.stdout)
     _check(lines, world)
@@ -83,7 +78,7 @@ def test_mpi_env_without_mpi4py_or_master_addr_is_a_clear_error():
             "import sparsecomm\n"
             "try:\n    sparsecomm.init_distributed()\n"
             "except RuntimeError as e:\n    print('ERR', e)\n")
-    env = _clean_env()
+    env = launcher_free_env()
     env.update(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert "ERR" in out.stdout and "mpi4py" in out.stdout and "MASTER_ADDR" in out.stdout, out.stdout + out.stderr

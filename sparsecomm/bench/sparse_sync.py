@@ -15,6 +15,8 @@ over ranks; in one run, interleaved per round so machine noise hits all alike:
   sparsecomm        (d) ``sparsecomm.sparse_allreduce``: partitioned push/pull
   sparsecomm_local  (d) the same with local aggregation over emulated nodes of
                         ``--lws`` ranks (only when 1 < lws < world size divides it)
+  sparsecomm_auto   (d) what the DDP hook does: one measured partitioned call,
+                        then the path the cost model picks from the global counts
 
 and, on request (``--methods``), sparse_allreduce's other paths, the ones its
 DDP hook may pick: ``sparsecomm_allgather`` (method="allgather") and
@@ -61,12 +63,13 @@ from sparsecomm.bench.launch import add_launch_args, gather_floats, run_distribu
 from sparsecomm.collectives.exchange import all_gather_single, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device
 from sparsecomm.cost_model import partitioned_floor_bytes
+from sparsecomm.hooks.classifier import choose_method
 from sparsecomm.synthetic import uniform_ids, zipf_ids
 from sparsecomm.types import SparseSyncStats
 
-METHODS = ("dense", "torch_sparse", "allgather", "sparsecomm", "sparsecomm_local", "sparsecomm_allgather",
-           "sparsecomm_densify")
-DEFAULT_METHODS = METHODS[:5]
+METHODS = ("dense", "torch_sparse", "allgather", "sparsecomm", "sparsecomm_local", "sparsecomm_auto",
+           "sparsecomm_allgather", "sparsecomm_densify")
+DEFAULT_METHODS = METHODS[:6]
 DENSE_METHODS = ("dense", "sparsecomm_densify")  # slow at every density: timed --dense-iters rounds
 PEERS = ("dense", "torch_sparse", "allgather")
 VALUE_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -221,6 +224,18 @@ class Methods:
         self.stats = SparseSyncStats()
         return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, local_aggregation=True,
                                            stats=self.stats)
+
+    def run_sparsecomm_auto(self) -> torch.Tensor:
+        # What the DDP hook does: measure one partitioned sync, let the
+        # classifier pick from the global counts, then use its choice.
+        if getattr(self, "auto_method", None) is None:
+            probe = SparseSyncStats()
+            sparsecomm.sparse_allreduce(self._grad(), stats=probe)
+            self.auto_method = choose_method(probe.world_size, probe.num_rows, self.dim, self.values.element_size(),
+                                             probe.index_bytes, probe.rows_local_sum / probe.world_size,
+                                             probe.rows_out).method.value
+        self.stats = SparseSyncStats()
+        return sparsecomm.sparse_allreduce(self._grad(), method=self.auto_method, stats=self.stats)
 
     def run_sparsecomm_allgather(self) -> torch.Tensor:
         self.stats = SparseSyncStats()
@@ -420,7 +435,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--densities", default="0.0001,0.001,0.01,0.1",
                    help="lookups per rank as a fraction of the rows (default 0.0001,0.001,0.01,0.1)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated, from {','.join(METHODS)} (default: the first five)")
+                   help=f"comma-separated, from {','.join(METHODS)} (default: the first six)")
     p.add_argument("--lws", type=int, default=2,
                    help="ranks per emulated node, for sparsecomm_local and the inter-node bytes (default 2)")
     p.add_argument("-w", "--warmup", type=int, default=2,
