@@ -139,6 +139,20 @@ template <> struct Elem<ValueType::kBFloat16> {
 
 inline int clamp_threads(int t) { return t < 1 ? 1 : t; }
 
+// This thread's index and the size of the team OpenMP actually started (it
+// may be smaller than requested: OMP_DYNAMIC, OMP_THREAD_LIMIT, nesting).
+struct ThreadTeam {
+  int id;
+  int size;
+};
+inline ThreadTeam this_thread_team() {
+#ifdef _OPENMP
+  return {omp_get_thread_num(), omp_get_num_threads()};
+#else
+  return {0, 1};
+#endif
+}
+
 // Minimum and maximum id, computed in parallel; (0, -1) for n == 0.
 struct IdRange { int64_t min; int64_t max; };
 IdRange id_range(const void* ids, IndexType it, int64_t n, int threads);

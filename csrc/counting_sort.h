@@ -22,11 +22,7 @@ void stable_counting_sort(int64_t n, int64_t buckets, int threads, KeyFn key, Mo
   std::vector<int64_t> hist(static_cast<size_t>(threads) * buckets, 0);
 #pragma omp parallel num_threads(threads)
   {
-    int t = 0, nt = 1;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-    nt = omp_get_num_threads();
-#endif
+    const auto [t, nt] = this_thread_team();
     const int64_t lo = n * t / nt, hi = n * (t + 1) / nt;
     int64_t* h = hist.data() + static_cast<size_t>(t) * buckets;
     for (int64_t i = lo; i < hi; ++i) ++h[key(i)];

@@ -19,11 +19,7 @@ void scatter_add_owned(T* table, int64_t d, const void* ids, IndexType it, int64
                        int threads) {
 #pragma omp parallel num_threads(threads)
   {
-    int t = 0, nt = 1;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-    nt = omp_get_num_threads();
-#endif
+    const auto [t, nt] = this_thread_team();
     for (int64_t i = 0; i < n; ++i) {
       const int64_t id = load_id(ids, it, i);
       if (id % nt != t) continue;
