@@ -1,6 +1,5 @@
 """Row kernels against plain torch references: random, skewed, empty, every dtype."""
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -268,7 +267,6 @@ def test_value_errors_name_the_argument():
 
 def test_openmp_is_compiled_in():
     assert _C.openmp_enabled()
-    assert isinstance(np.__version__, str)
 
 
 def test_smaller_openmp_team_than_requested_gives_the_same_results():
