@@ -53,17 +53,17 @@ PYBIND11_MODULE(_C, m) {
         "Write the plan's unique ids and each group's row sum.");
 
   m.def("partition_rows",
-        [](uintptr_t ids, int index_code, int64_t n, uintptr_t values, size_t row_bytes, int scheme,
+        [](uintptr_t ids, int index_code, int64_t n, int64_t num_rows, uintptr_t values, size_t row_bytes, int scheme,
            int64_t num_owners, int64_t range_size, int64_t stride, uintptr_t counts, uintptr_t out_ids,
            uintptr_t out_values, uintptr_t perm, int threads) {
           const IndexType it = to_index_type(index_code);
           const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
           py::gil_scoped_release release;
-          partition_rows(ptr(ids), it, n, ptr(values), row_bytes, map, ptr<int64_t>(counts), ptr(out_ids),
+          partition_rows(ptr(ids), it, n, num_rows, ptr(values), row_bytes, map, ptr<int64_t>(counts), ptr(out_ids),
                          ptr(out_values), ptr<int64_t>(perm), threads);
         },
-        py::arg("ids"), py::arg("index_code"), py::arg("n"), py::arg("values"), py::arg("row_bytes"),
-        py::arg("scheme"), py::arg("num_owners"), py::arg("range_size"), py::arg("stride"), py::arg("counts"),
+        py::arg("ids"), py::arg("index_code"), py::arg("n"), py::arg("num_rows"), py::arg("values"),
+        py::arg("row_bytes"), py::arg("scheme"), py::arg("num_owners"), py::arg("range_size"), py::arg("stride"), py::arg("counts"),
         py::arg("out_ids"), py::arg("out_values"), py::arg("perm"), py::arg("threads"),
         "Stable counting sort of rows by owner; values/perm may be 0 (skipped).");
 

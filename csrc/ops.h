@@ -30,8 +30,8 @@ int64_t row_owner(int64_t id, const OwnerMap& map);
 void coalesce_apply(const RowGroups& groups, const void* values, ValueType vt, int64_t d, void* out_ids,
                     IndexType it, void* out_values, int threads);
 
-void partition_rows(const void* ids, IndexType it, int64_t n, const void* values, size_t row_bytes,
-                    const OwnerMap& map, int64_t* counts, void* out_ids, void* out_values, int64_t* perm,
+void partition_rows(const void* ids, IndexType it, int64_t n, int64_t num_rows, const void* values,
+                    size_t row_bytes, const OwnerMap& map, int64_t* counts, void* out_ids, void* out_values, int64_t* perm,
                     int threads);
 
 void gather_rows(const void* table, int64_t num_rows, size_t row_bytes, const void* ids, IndexType it,

@@ -30,12 +30,12 @@ int64_t row_owner(int64_t id, const OwnerMap& map) {
   return static_cast<int64_t>((bucket / static_cast<uint64_t>(map.stride)) % static_cast<uint64_t>(map.num_owners));
 }
 
-void partition_rows(const void* ids, IndexType it, int64_t n, const void* values, size_t row_bytes,
-                    const OwnerMap& map, int64_t* counts, void* out_ids, void* out_values, int64_t* perm,
+void partition_rows(const void* ids, IndexType it, int64_t n, int64_t num_rows, const void* values,
+                    size_t row_bytes, const OwnerMap& map, int64_t* counts, void* out_ids, void* out_values, int64_t* perm,
                     int threads) {
   check_owner_map(map);
   threads = clamp_threads(threads);
-  check_ids(ids, it, n, -1, threads, "ids");
+  check_ids(ids, it, n, num_rows, threads, "ids");
   const int64_t owners = map.num_owners;
   std::vector<int32_t> owner(static_cast<size_t>(n));
 #pragma omp parallel for num_threads(threads) schedule(static)

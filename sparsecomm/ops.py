@@ -211,15 +211,13 @@ def partition_rows(ids: torch.Tensor, values: Optional[torch.Tensor], num_owners
         if out_values is not None:
             out_values = out_values.view(values.shape)
         return Partition(counts, out_ids, out_values, perm)
-    if num_rows is not None and ids.numel() and int(ids.max()) >= num_rows:
-        raise ValueError(f"sparsecomm: ids contains id {int(ids.max())} outside [0, {num_rows})")
     n = ids.shape[0]
     counts = torch.empty(num_owners, dtype=torch.int64)
     out_ids = torch.empty_like(ids)
     perm = torch.empty(n, dtype=torch.int64)
     out_values = None if values is None else torch.empty_like(values)
     row_bytes = 0 if values is None else _row_width(values) * values.element_size()
-    _C.partition_rows(ids.data_ptr(), _INDEX_CODE[ids.dtype], n,
+    _C.partition_rows(ids.data_ptr(), _INDEX_CODE[ids.dtype], n, -1 if num_rows is None else int(num_rows),
                       0 if values is None else values.data_ptr(), row_bytes, scheme_code, num_owners,
                       range_size, stride, counts.data_ptr(), out_ids.data_ptr(),
                       0 if out_values is None else out_values.data_ptr(), perm.data_ptr(), _threads())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
@@ -10,7 +9,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sparsecomm.types import optional_int
+from sparsecomm.collectives.bootstrap import detect_launcher
 
 __all__ = ["group_ranks", "comm_device", "env_local_world_size", "node_groups", "twin_group", "run_async"]
 
@@ -34,11 +33,8 @@ def comm_device(group: Optional[dist.ProcessGroup], like: torch.device) -> torch
 
 def env_local_world_size() -> Optional[int]:
     """Ranks per node as the launcher tells it (torchrun, Open MPI, MPICH/Intel MPI, Slurm), or None."""
-    for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"):
-        value = optional_int(os.environ.get(var))
-        if value:
-            return value
-    return None
+    launcher, topo = detect_launcher()  # one table of launcher variables, shared with init_distributed
+    return None if launcher == "none" else topo.local_world_size
 
 
 def node_groups(group: Optional[dist.ProcessGroup], local_world_size: int

@@ -171,7 +171,7 @@ def _unlinear(ids: torch.Tensor, sparse_shape: Sequence[int]) -> torch.Tensor:
         rows.append(rest % size)
         rest = rest // size
     rows.append(rest)
-    return torch.stack(rows[::-1]) if rows else ids.view(1, -1)
+    return torch.stack(rows[::-1])
 
 
 def _meta(tensor: torch.Tensor, op: ReduceOp, method: SyncMethod, scheme: str, lws: int, err: int, k: int
