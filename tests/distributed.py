@@ -26,6 +26,9 @@ def launcher_free_env() -> Dict[str, str]:
 def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, env: Dict[str, str],
            results, timeout_s: float, clean_exit: bool) -> None:
     os.environ.update(env)
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a crash in native code still names the Python frames of every thread
     import torch
 
     torch.set_num_threads(1)  # N ranks share 2 cores

@@ -108,6 +108,7 @@ VARIANTS = [
     ("densify", {"overrides": {"emb.weight": "densify", "bag_sum.weight": "densify",
                                "bag_mean.weight": "densify"}}, 2e-5),
     ("bf16-compressed", {"compression": "bf16"}, 5e-2),
+    ("overlapped", {"overlap_sparse": True}, 2e-5),  # sparse syncs on the worker thread
 ]
 
 

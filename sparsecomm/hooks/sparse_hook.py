@@ -79,6 +79,11 @@ class SparseCommState:
         latency_bytes: the classifier's price of one collective, in bytes.
         reclassify_every: re-decide auto paths every this many steps (0: decide once).
         history: how many past steps of per-path counters to keep.
+        overlap_sparse: run sparse syncs on sparsecomm's worker thread,
+            overlapping the rest of backward (off by default: on the
+            autograd thread they cost the same here, since embeddings are
+            the last gradients backward produces, and keep torch and gloo
+            work in one thread per process).
 
     Raises:
         ValueError: an unknown compression, override or scheme.
@@ -87,7 +92,7 @@ class SparseCommState:
     __slots__ = (
         # tunable settings
         "process_group", "compression", "overrides", "sparse_dense_embeddings", "scheme", "local_world_size",
-        "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every",
+        "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every", "overlap_sparse",
         # internal state
         "world_size", "sparse_group", "param_names", "dense_embedding_names", "decisions", "iteration",
         "_decided_at", "_calls", "_suggested", "_empty_sparse", "_clear_empty", "_cleanup_queued", "_lock",
@@ -100,7 +105,7 @@ class SparseCommState:
                  sparse_dense_embeddings: bool = False, scheme: str = "hash",
                  local_world_size: Optional[int] = None, local_aggregation: bool = True,
                  nonfinite: str = "raise", latency_bytes: float = 64 * 1024, reclassify_every: int = 0,
-                 history: int = 100) -> None:
+                 history: int = 100, overlap_sparse: bool = False) -> None:
         if compression not in COMPRESSION_DTYPES:
             raise ValueError(f"compression must be 'fp16', 'bf16' or None, got {compression!r}")
         overrides = dict(overrides or {})
@@ -121,6 +126,7 @@ class SparseCommState:
         self.nonfinite = nonfinite
         self.latency_bytes = latency_bytes
         self.reclassify_every = reclassify_every
+        self.overlap_sparse = overlap_sparse
 
         self.world_size = dist.get_world_size(process_group)
         if local_world_size is None and (process_group is None or process_group is dist.GroupMember.WORLD):
@@ -267,9 +273,16 @@ def _sparse_bucket(state: SparseCommState, bucket: dist.GradBucket, grad: torch.
         engine.queue_callback(lambda: engine.queue_callback(lambda: _clear_empty_grads(state)))
     s = SparseSyncStats()
     start = time.perf_counter()
-    fut = sparse_allreduce(grad, state.sparse_group, op="avg", async_op=True, method=method, scheme=state.scheme,
-                           local_world_size=state.local_world_size or 1, local_aggregation=state.local_aggregation,
-                           nonfinite=state.nonfinite, stats=s)
+    options = dict(op="avg", method=method, scheme=state.scheme, local_world_size=state.local_world_size or 1,
+                   local_aggregation=state.local_aggregation, nonfinite=state.nonfinite, stats=s)
+    if state.overlap_sparse:
+        fut = sparse_allreduce(grad, state.sparse_group, async_op=True, **options)
+    else:
+        fut = torch.futures.Future()
+        try:
+            fut.set_result(sparse_allreduce(grad, state.sparse_group, **options))
+        except Exception as exc:  # raised through DDP's backward like an async failure
+            fut.set_exception(exc)
 
     def done(f: torch.futures.Future) -> torch.Tensor:
         out = f.value()
