@@ -81,17 +81,23 @@ def _equivalence_worker(rank, world, variants):
             single = copy.deepcopy(base)
             ours = DDP(copy.deepcopy(base))
             state = sparsecomm.register(ours, **options)
-            ref = DDP(copy.deepcopy(base))
-            models = [(ours, make_optimizers(ours.module, kind)), (ref, make_optimizers(ref.module, kind)),
+            # Reference (a), plain DDP, for the default settings of each optimizer; (b),
+            # single-process training on the whole batch, for every variant. Plain DDP's
+            # gloo sparse allreduce aborted with heap corruption in rare full-suite runs
+            # (inside its own backward, sparsecomm idle): fewer calls, fewer chances.
+            ref = DDP(copy.deepcopy(base)) if name == "auto" else None
+            models = [(ours, make_optimizers(ours.module, kind)),
+                      (ref, make_optimizers(ref.module, kind) if ref is not None else None),
                       (single, make_optimizers(single, kind))]
             worst_ref = worst_single = 0.0
             for step in range(STEPS):
                 mine = batch(rank, step)
                 train_step(ours, models[0][1], mine)
-                train_step(ref, models[1][1], mine)
+                if ref is not None:
+                    train_step(ref, models[1][1], mine)
+                    worst_ref = max(worst_ref, max_diff(ours.module, ref.module))
                 everyone = [batch(r, step) for r in range(world)]
                 train_step(single, models[2][1], tuple(torch.cat(x) for x in zip(*everyone)))
-                worst_ref = max(worst_ref, max_diff(ours.module, ref.module))
                 worst_single = max(worst_single, max_diff(ours.module, single))
                 assert worst_ref <= tol and worst_single <= tol, (kind, name, step, worst_ref, worst_single)
             out[(kind, name)] = (worst_ref, worst_single, dict(state.stats), {k: d.method.value for k, d in
