@@ -6,7 +6,7 @@ all-to-all, summed there, and shared back.
 """
 
 from sparsecomm import ops
-from sparsecomm.collectives import last_stats, sparse_allreduce
+from sparsecomm.collectives import last_stats, sparse_allreduce, sparse_allreduce_coalesced
 from sparsecomm.collectives.bootstrap import init_distributed, shutdown, topology
 from sparsecomm import sharded
 from sparsecomm.hooks import SparseCommState, register, sparsecomm_hook
@@ -16,7 +16,7 @@ from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod, Topol
 __version__ = "0.1.0"
 __all__ = [
     "ops", "init_distributed", "shutdown", "topology",
-    "sparse_allreduce", "last_stats", "SparseSyncStats", "SyncMethod", "PartitionScheme", "Topology",
+    "sparse_allreduce", "sparse_allreduce_coalesced", "last_stats", "SparseSyncStats", "SyncMethod", "PartitionScheme", "Topology",
     "register", "sparsecomm_hook", "SparseCommState",
     "sharded", "ShardedEmbedding", "ShardedEmbeddingBag", "ShardedSGD", "ShardedAdagrad", "ShardedAdam",
     "__version__",

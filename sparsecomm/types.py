@@ -22,6 +22,7 @@ class SyncMethod(str, enum.Enum):
     PARTITIONED = "partitioned"  # push rows to owners, sum there, share back (default)
     ALLGATHER = "allgather"      # every rank gathers every rank's rows and sums locally (Horovod)
     DENSIFY = "densify"          # scatter into the dense table and allreduce it (+ a row mask)
+    TORCH = "torch"              # the backend's own sparse all_reduce (gloo), then coalesced
 
 
 class ReduceOp(str, enum.Enum):

@@ -220,13 +220,20 @@ def _misuse_worker(rank, world):
         sparsecomm.SparseCommState(compression="int8")
     except ValueError:
         errors.append("compression")
-    # NaN in a dense gradient raises on every rank (after the allreduce, so nobody hangs).
-    for p in model.module.mlp.parameters():
-        p.data.fill_(float("nan") if rank == 0 else 0.1)
-    try:
-        train_step(model, [torch.optim.SGD(model.parameters(), lr=0.1)], batch(rank, 0))
-    except Exception as e:  # raised through DDP's backward
-        errors.append("nan" if "NaN/Inf" in str(e) or "NaN or Inf" in str(e) else repr(e))
+    # With nonfinite="raise", NaN in a dense gradient raises on every rank (after the
+    # allreduce, so nobody hangs); by default it propagates, as with plain DDP.
+    for option in ("raise", "propagate"):
+        torch.manual_seed(0)
+        strict = DDP(Net())
+        sparsecomm.register(strict, nonfinite=option)
+        for p in strict.module.mlp.parameters():
+            p.data.fill_(float("nan") if rank == 0 else 0.1)
+        try:
+            train_step(strict, [torch.optim.SGD(strict.parameters(), lr=0.1)], batch(rank, 0))
+        except Exception as e:  # raised through DDP's backward
+            errors.append("nan" if "NaN/Inf" in str(e) or "NaN or Inf" in str(e) else repr(e))
+        else:
+            assert option == "propagate" and all(bool(p.isnan().all()) for p in strict.module.mlp.parameters())
     # The state pickles without its process group and keeps its counters.
     clone = pickle.loads(pickle.dumps(state))
     errors.append("pickle" if clone.process_group is None and clone.world_size == world else "bad pickle")

@@ -132,8 +132,9 @@ def test_bytes_on_the_wire_match_the_floor(world):
     results = run_ranks(world, _bytes_worker)
     for sent, recv, row_bytes, index_bytes, union in results.values():
         payload = partitioned_floor_bytes(world, union, union, row_bytes + index_bytes)
-        # Metadata: one 20-int64 all-to-all (carrying the push counts), one pull-count all-to-all.
-        overhead = (world - 1) * 8 * (20 + 1)
+        # Metadata: one all-to-all of 19 + N int64 (header, k, the sender's push counts to every rank),
+        # one pull-count all-to-all.
+        overhead = (world - 1) * 8 * (19 + world + 1)
         assert sent == recv == payload + overhead
         assert index_bytes == 2  # 6N rows fit int16 ids
 

@@ -1,5 +1,5 @@
 """Collectives: the only layer that calls torch.distributed."""
 
-from sparsecomm.collectives.sparse import last_stats, sparse_allreduce
+from sparsecomm.collectives.sparse import last_stats, sparse_allreduce, sparse_allreduce_coalesced
 
-__all__ = ["sparse_allreduce", "last_stats"]
+__all__ = ["sparse_allreduce", "sparse_allreduce_coalesced", "last_stats"]

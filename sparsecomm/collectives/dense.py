@@ -7,9 +7,24 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMPRESSION_DTYPES", "allreduce_mean_async", "ring_allreduce_bytes"]
+__all__ = ["COMPRESSION_DTYPES", "all_finite", "allreduce_mean_async", "ring_allreduce_bytes"]
 
 COMPRESSION_DTYPES = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """True when ``values`` holds no NaN/Inf: one reduction, an exact elementwise check only if its sum is not finite.
+
+    A NaN/Inf anywhere makes the sum non-finite; a finite-valued tensor can
+    still overflow its sum, which the exact check then clears. One host
+    synchronization either way.
+    """
+    if values.numel() == 0:
+        return True
+    acc = torch.float64 if values.dtype == torch.float64 else torch.float32
+    if bool(torch.isfinite(values.sum(dtype=acc))):
+        return True
+    return bool(torch.isfinite(values).all())
 
 
 def ring_allreduce_bytes(numel: int, elem_bytes: int, world_size: int) -> int:

@@ -19,7 +19,8 @@ from sparsecomm.types import SparseSyncStats
 # torch >= 2.13 renames all_gather_into_tensor (which then warns) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-__all__ = ["all_gather_single", "wire_index_dtype", "all_to_all_rows", "exchange_counts", "push_to_owners", "allgather_rows"]
+__all__ = ["all_gather_single", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes", "all_to_all_rows", "exchange_counts",
+           "exchange_tables", "push_to_owners", "allgather_rows"]
 
 
 def wire_index_dtype(num_rows: int) -> torch.dtype:
@@ -31,16 +32,31 @@ def wire_index_dtype(num_rows: int) -> torch.dtype:
     return torch.int64
 
 
-def _kernel_ids(ids: torch.Tensor) -> torch.Tensor:
+def kernel_ids(ids: torch.Tensor) -> torch.Tensor:
     # The kernels take int32/int64; int16 only exists on the wire.
     return ids.to(torch.int32) if ids.dtype == torch.int16 else ids
+
+
+def check_counts(counts: Sequence[int], limit: int, what: str) -> List[int]:
+    """Row counts received from peers, validated before they size a buffer or an all-to-all split.
+
+    Raises:
+        ValueError: a count is negative or above ``limit`` (a bug, a version
+            mismatch or corrupted memory on the sending rank).
+    """
+    counts = list(counts)
+    for r, c in enumerate(counts):
+        if not 0 <= c <= limit:
+            raise ValueError(f"sparsecomm: rank {r} announced {c} {what}, outside [0, {limit}]: a bug or a "
+                             f"version mismatch between ranks; nothing was received")
+    return counts
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 
-def _count_bytes(stats: Optional[SparseSyncStats], send: Sequence[int], recv: Sequence[int], me: int,
+def count_bytes(stats: Optional[SparseSyncStats], send: Sequence[int], recv: Sequence[int], me: int,
                  peer_node: Optional[Sequence[int]]) -> None:
     if stats is None:
         return
@@ -67,7 +83,7 @@ def _exchange_packed(send: torch.Tensor, send_counts: List[int], recv_counts: Li
     s_bytes = [c * per_row for c in send_counts]
     r_bytes = [c * per_row for c in recv_counts]
     dist.all_to_all_single(recv, send, r_bytes, s_bytes, group=group)
-    _count_bytes(stats, s_bytes, r_bytes, dist.get_rank(group), peer_node)
+    count_bytes(stats, s_bytes, r_bytes, dist.get_rank(group), peer_node)
     if len(row_bytes) == 1:
         return [recv]
     chunks: List[List[torch.Tensor]] = [[] for _ in row_bytes]
@@ -114,8 +130,55 @@ def exchange_counts(send_counts: torch.Tensor, group: Optional[dist.ProcessGroup
     n = dist.get_world_size(group)
     recv = torch.empty(n, dtype=torch.int64, device=device)
     dist.all_to_all_single(recv, send_counts.to(device), group=group)
-    _count_bytes(stats, [8] * n, [8] * n, dist.get_rank(group), peer_node)
+    count_bytes(stats, [8] * n, [8] * n, dist.get_rank(group), peer_node)
     return recv.tolist()
+
+
+def exchange_tables(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], send_counts: Sequence[Sequence[int]],
+                    recv_counts: Sequence[Sequence[int]], repeat: Sequence[bool],
+                    group: Optional[dist.ProcessGroup], device: torch.device
+                    ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """One all-to-all carrying the (ids, rows) of several tensors at once.
+
+    Args:
+        parts: per tensor, ``(ids, values)`` with one value row per id, the
+            rows for peer j consecutive (peer order), unless ``repeat``.
+        send_counts, recv_counts: per tensor, rows sent to / received from each
+            peer (received counts must already be validated).
+        repeat: per tensor, True to send all of its rows to every peer (an allgather).
+
+    Returns:
+        Per tensor, the received ``(ids, values)``, in source-rank order.
+    """
+    n = dist.get_world_size(group)
+    widths = [[i.element_size(), math.prod(v.shape[1:]) * v.element_size()] for i, v in parts]
+    flat = [(_as_bytes(i.to(device)), _as_bytes(v.to(device))) for i, v in parts]
+    offsets = [0] * len(parts)
+    pieces = []
+    for j in range(n):
+        for t, ((fi, fv), (wi, wv)) in enumerate(zip(flat, widths)):
+            c = send_counts[t][j]
+            a = 0 if repeat[t] else offsets[t]
+            pieces += [fi[a * wi:(a + c) * wi], fv[a * wv:(a + c) * wv]]
+            offsets[t] = a + c
+    send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    s_bytes = [sum(send_counts[t][j] * sum(widths[t]) for t in range(len(parts))) for j in range(n)]
+    r_bytes = [sum(recv_counts[t][j] * sum(widths[t]) for t in range(len(parts))) for j in range(n)]
+    recv = torch.empty(sum(r_bytes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send, r_bytes, s_bytes, group=group)
+    chunks: List[List[List[torch.Tensor]]] = [[[], []] for _ in parts]
+    pos = 0
+    for j in range(n):
+        for t, (wi, wv) in enumerate(widths):
+            c = recv_counts[t][j]
+            chunks[t][0].append(recv[pos:pos + c * wi])
+            pos += c * wi
+            chunks[t][1].append(recv[pos:pos + c * wv])
+            pos += c * wv
+    out = []
+    for (ids, values), (ci, cv) in zip(parts, chunks):
+        out.append((torch.cat(ci).view(ids.dtype), torch.cat(cv).view(values.dtype).view(-1, *values.shape[1:])))
+    return out
 
 
 def push_to_owners(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist.ProcessGroup], *,
@@ -142,22 +205,26 @@ def push_to_owners(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
         part = ops.partition_rows(ids, values, num_owners, scheme, num_rows, range_size=range_size, stride=stride)
     send_counts = part.counts.tolist()
     if recv_counts is None:
-        recv_counts = exchange_counts(part.counts, group, device, stats, peer_node)
+        # A peer sends me at most its rows, and never more than the table has.
+        recv_counts = check_counts(exchange_counts(part.counts, group, device, stats, peer_node), num_rows,
+                                   "rows for me to own")
     recv_ids, recv_values = all_to_all_rows([part.ids.to(wire_ids), part.values], send_counts, recv_counts,
                                             group, device, stats, peer_node)
-    recv_ids = _kernel_ids(recv_ids.to(ids.device))
+    recv_ids = kernel_ids(recv_ids.to(ids.device))
     recv_values = recv_values.to(device=values.device, dtype=sum_dtype)
     return ops.coalesce_rows(recv_ids, recv_values)
 
 
 def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist.ProcessGroup], *,
                    wire_ids: torch.dtype, device: torch.device, stats: Optional[SparseSyncStats] = None,
-                   peer_node: Optional[Sequence[int]] = None, counts: Optional[List[int]] = None
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+                   peer_node: Optional[Sequence[int]] = None, counts: Optional[List[int]] = None,
+                   max_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Give every rank of ``group`` the rows each rank holds (sizes may differ).
 
     Args:
         counts: every rank's row count, when already known (skips one exchange).
+        max_rows: the most rows a peer may announce (the table's rows); counts
+            received from peers are checked against it before anything is allocated.
 
     Returns:
         ``(ids, values)`` of all ranks, concatenated in rank order.
@@ -168,6 +235,7 @@ def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
         # few bytes costs several times the latency of its all-to-all.
         counts = exchange_counts(torch.full((n,), ids.shape[0], dtype=torch.int64), group, device, stats,
                                  peer_node)
+        counts = check_counts(counts, max_rows if max_rows is not None else 2**62, "rows to share")
     # The same rows go to every peer: pack them once and repeat, so one
     # all-to-all sends exact sizes (no padding to the largest rank).
     wire = ids.to(wire_ids)
@@ -177,4 +245,4 @@ def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
                              peer_node)
     out_ids = parts[0].view(wire_ids)
     out_values = parts[1].view(values.dtype).view(-1, *values.shape[1:])
-    return _kernel_ids(out_ids.to(ids.device)), out_values.to(values.device)
+    return kernel_ids(out_ids.to(ids.device)), out_values.to(values.device)

@@ -1,7 +1,13 @@
-"""Process-group plumbing: node subgroups, twin groups for async work, the async runner."""
+"""Process-group plumbing: node subgroups, twin groups for async work, one worker thread per group.
+
+Every group created here gets the timeout of the group it derives from (the
+one given to ``init_process_group``), not torch's 30-minute default, and is
+cached once per (group, purpose): a single cache for the whole library.
+"""
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
@@ -11,11 +17,29 @@ import torch.distributed as dist
 
 from sparsecomm.collectives.bootstrap import detect_launcher
 
-__all__ = ["group_ranks", "comm_device", "env_local_world_size", "node_groups", "twin_group", "run_async"]
+__all__ = ["group_ranks", "group_timeout", "comm_device", "env_local_world_size", "node_groups", "twin_group",
+           "run_async"]
 
-_node_groups: Dict[Tuple[Tuple[int, ...], int], Tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
-_twins: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
-_lock = threading.Lock()
+# Keyed by the group object itself (None: the default group), never by its
+# ranks: a group and its twin have the same ranks but must not share subgroups.
+_node_groups: Dict[Tuple[object, int], Tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_twins: Dict[Tuple[object, str], dist.ProcessGroup] = {}
+_lock = threading.RLock()
+
+
+def _key(group: Optional[dist.ProcessGroup]) -> object:
+    return None if group is None or group is dist.GroupMember.WORLD else group
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[datetime.timedelta]:
+    """The timeout ``group``'s backend was created with (None when the backend does not say)."""
+    pg = dist.group.WORLD if group is None else group
+    for dev in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(dev)).options._timeout
+        except Exception:  # no backend for that device, or an older torch without options
+            continue
+    return None
 
 
 def group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
@@ -46,7 +70,8 @@ def node_groups(group: Optional[dist.ProcessGroup], local_world_size: int
     for a given (group, local_world_size) together: ``new_group`` is collective.
     """
     ranks = tuple(group_ranks(group))
-    key = (ranks, local_world_size)
+    key = (_key(group), local_world_size)
+    timeout = group_timeout(group)
     with _lock:
         if key in _node_groups:
             return _node_groups[key]
@@ -57,30 +82,34 @@ def node_groups(group: Optional[dist.ProcessGroup], local_world_size: int
         local = cross = None
         # Same creation order on every rank: all node groups, then all cross groups.
         for node in range(n // lws):
-            g = dist.new_group([ranks[node * lws + i] for i in range(lws)])
+            g = dist.new_group([ranks[node * lws + i] for i in range(lws)], timeout=timeout)
             if me // lws == node:
                 local = g
         for lr in range(lws):
-            g = dist.new_group([ranks[node * lws + lr] for node in range(n // lws)])
+            g = dist.new_group([ranks[node * lws + lr] for node in range(n // lws)], timeout=timeout)
             if me % lws == lr:
                 cross = g
         _node_groups[key] = (local, cross)
         return local, cross
 
 
-def twin_group(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    """A second process group over the same ranks, for work run off the calling thread.
+def twin_group(group: Optional[dist.ProcessGroup], purpose: str = "async") -> dist.ProcessGroup:
+    """A second process group over the same ranks, for one stream of collectives of its own.
 
     Async sparse synchronization runs its collectives on a worker thread; on
     the caller's group they could interleave with the caller's own collectives
-    in a different order on different ranks. The twin keeps the two streams of
-    collectives apart. Collective to create: all ranks make the first call together.
+    in a different order on different ranks. The twin keeps the streams apart;
+    each ``purpose`` (the async API, the DDP hook, sharded tables) gets its own
+    twin, so no two threads ever share one. A twin of a twin is a new group.
+    It inherits ``group``'s timeout. Collective to create: all ranks make the
+    first call for a (group, purpose) together.
     """
-    ranks = tuple(group_ranks(group))
+    key = (_key(group), purpose)
     with _lock:
-        if ranks not in _twins:
-            _twins[ranks] = dist.new_group(list(ranks), backend=dist.get_backend(group))
-        return _twins[ranks]
+        if key not in _twins:
+            _twins[key] = dist.new_group(group_ranks(group), backend=dist.get_backend(group),
+                                         timeout=group_timeout(group))
+        return _twins[key]
 
 
 class _Runner:
@@ -97,27 +126,46 @@ class _Runner:
 
     def _loop(self) -> None:
         while True:
-            job, fut = self._jobs.get()
+            job, fut, stream = self._jobs.get()
             try:
-                result = job()
+                if stream is None:
+                    result = job()
+                else:
+                    # The caller's stream: the job sees every kernel the caller
+                    # queued before submitting; its result is complete on return.
+                    with torch.cuda.stream(stream):
+                        result = job()
+                    stream.synchronize()
             except BaseException as exc:  # delivered to whoever waits on the future
                 fut.set_exception(exc)
             else:
                 fut.set_result(result)
 
-    def submit(self, job: Callable[[], object]) -> torch.futures.Future:
+    def submit(self, job: Callable[[], object], stream) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((job, fut))
+        self._jobs.put((job, fut, stream))
         return fut
 
 
-_runner: Optional[_Runner] = None
+_runners: Dict[object, _Runner] = {}
 
 
-def run_async(job: Callable[[], object]) -> torch.futures.Future:
-    """Run ``job`` on the sparsecomm worker thread; return a Future of its result."""
-    global _runner
+def run_async(job: Callable[[], object], group: Optional[dist.ProcessGroup] = None,
+              device: Optional[torch.device] = None) -> torch.futures.Future:
+    """Run ``job`` on ``group``'s worker thread (one per group, jobs in submission order).
+
+    One thread per group: jobs of two groups on one thread could meet their
+    peers' in a different order and deadlock. With a CUDA ``device`` the job
+    runs on the caller's current stream and the Future completes once that
+    stream has finished the job's work.
+
+    Returns:
+        A Future of the job's result (or its exception).
+    """
+    stream = torch.cuda.current_stream(device) if device is not None and device.type == "cuda" else None
+    key = _key(group)
     with _lock:
-        if _runner is None:
-            _runner = _Runner()
-    return _runner.submit(job)
+        if key not in _runners:
+            _runners[key] = _Runner()
+        runner = _runners[key]
+    return runner.submit(job, stream)

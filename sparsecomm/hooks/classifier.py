@@ -8,7 +8,7 @@ decision without talking.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional, Sequence
 
 from sparsecomm.cost_model import allgather_bytes, dense_allreduce_bytes, partitioned_floor_bytes
 from sparsecomm.types import SyncMethod
@@ -17,7 +17,10 @@ __all__ = ["Decision", "choose_method", "COLLECTIVES_PER_METHOD"]
 
 # Round trips each method makes; each is charged `latency_bytes` (latency x bandwidth).
 # Flat partitioned: metadata (+ push counts), push, pull counts, pull.
-COLLECTIVES_PER_METHOD = {SyncMethod.PARTITIONED: 4, SyncMethod.ALLGATHER: 2, SyncMethod.DENSIFY: 3}
+# Allgather: metadata + one all-to-all. Torch (gloo's sparse all_reduce): an
+# all-gather of sizes, of ids and of values, each several times the latency of an all-to-all.
+COLLECTIVES_PER_METHOD = {SyncMethod.PARTITIONED: 4, SyncMethod.ALLGATHER: 2, SyncMethod.DENSIFY: 3,
+                          SyncMethod.TORCH: 3}
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,8 @@ class Decision:
 
 
 def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: int, index_bytes: int,
-                  rows_mean: float, union_rows: int, latency_bytes: float = 64 * 1024) -> Decision:
+                  rows_mean: float, union_rows: int, latency_bytes: float = 64 * 1024,
+                  allowed: Optional[Sequence[SyncMethod]] = None) -> Decision:
     """Pick the cheapest of partitioned / allgather / densify by estimated bytes per rank.
 
     Args:
@@ -40,7 +44,8 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
         index_bytes: bytes per id on the wire.
         rows_mean: k, mean rows per rank after local coalescing.
         union_rows: U, rows in the union over ranks.
-        latency_bytes: cost of one collective round trip, in bytes.
+        latency_bytes: cost of one collective round trip, in bytes (the hook measures it).
+        allowed: the methods to choose from (default: all but ``torch``, which needs gloo).
 
     Returns:
         The :class:`Decision`.
@@ -51,10 +56,13 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
         SyncMethod.ALLGATHER.value: allgather_bytes(world_size, rows_mean, row),
         # the table plus a one-byte row mask
         SyncMethod.DENSIFY.value: dense_allreduce_bytes(world_size, num_rows, row_elems * elem_bytes + 1, 1),
+        # gloo gathers every rank's ids as int64 and its values
+        SyncMethod.TORCH.value: allgather_bytes(world_size, rows_mean, row_elems * elem_bytes + 8),
     }
+    allowed = [m for m in SyncMethod if m is not SyncMethod.TORCH] if allowed is None else list(allowed)
     if world_size <= 1:
         return Decision(SyncMethod.PARTITIONED, "world size 1: nothing to exchange", est)
-    cost = {m: est[m.value] + COLLECTIVES_PER_METHOD[m] * latency_bytes for m in SyncMethod}
+    cost = {m: est[m.value] + COLLECTIVES_PER_METHOD[m] * latency_bytes for m in allowed}
     best = min(cost, key=lambda m: (cost[m], list(SyncMethod).index(m)))
     density = union_rows / max(1, num_rows)
     reason = (f"est. bytes/rank: partitioned {est['partitioned']:.3g}, allgather {est['allgather']:.3g}, "

@@ -1,0 +1,242 @@
+"""DDP communication hook: dense buckets -> allreduce, all sparse buckets of a step -> one fused sparse sync.
+
+Shaped like PyTorch's ``torch/distributed/algorithms/ddp_comm_hooks``: the hook
+is a plain function ``sparsecomm_hook(state, bucket) -> Future[Tensor]``; all
+settings and counters live in :class:`~sparsecomm.hooks.state.SparseCommState`.
+
+DDP gives every sparse parameter a bucket of its own and calls the hook once
+per bucket, in bucket order, on every rank. Instead of one synchronization
+(four collectives) per table, the hook holds the sparse buckets of a step and
+synchronizes them together with :func:`sparse_allreduce_coalesced` once the
+last one has arrived (or at the step's last bucket): four collectives per step
+whatever the number of tables, two when every table takes the allgather path.
+DDP only waits for the futures after the last bucket's hook, so holding them costs nothing.
+
+Example::
+
+    ddp = DistributedDataParallel(model)
+    state = sparsecomm.register(ddp)                   # or, the PyTorch way:
+    # ddp.register_comm_hook(SparseCommState(model=ddp), sparsecomm_hook)
+"""
+
+# No `from __future__ import annotations`: DDP checks that the hook's bucket
+# annotation *is* dist.GradBucket, which string annotations fail.
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from sparsecomm.collectives.dense import COMPRESSION_DTYPES, all_finite, allreduce_mean_async, ring_allreduce_bytes
+from sparsecomm.collectives.groups import run_async
+from sparsecomm.collectives.sparse import sparse_allreduce_coalesced
+from sparsecomm.hooks.dense_rows import dense_embedding_slices, nonzero_rows, param_name, write_rows
+from sparsecomm.hooks.state import SparseCommState
+from sparsecomm.hooks.unused import queue_cleanup
+from sparsecomm.types import SparseSyncStats, SyncMethod
+
+__all__ = ["sparsecomm_hook", "register"]
+
+DENSE = "dense"
+SPARSE_ROWS = "dense-embedding-rows"
+
+
+@dataclass
+class _Pending:
+    """One sparse tensor waiting for the step's fused synchronization."""
+
+    name: str
+    grad: torch.Tensor
+    method: SyncMethod
+    path: str                                   # counter name
+    call: int                                   # this parameter's sync count (classifier timing)
+    finish: Callable[[torch.Tensor], Any]       # reduced tensor -> the bucket future's value
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)
+    decide: bool = True
+
+
+def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average one DDP gradient bucket: sparse buckets join the step's fused sparse sync, dense ones allreduce.
+
+    Args:
+        state: the :class:`SparseCommState`.
+        bucket: the DDP bucket.
+
+    Returns:
+        A Future of the averaged bucket (a coalesced sparse tensor for sparse buckets).
+    """
+    buffer = bucket.buffer()
+    fut = _sparse_bucket(state, bucket, buffer) if buffer.is_sparse else _dense_bucket(state, bucket, buffer)
+    sparse_waiting = sum(1 for p in state._pending if p.path != SPARSE_ROWS)
+    if state._pending and (bucket.is_last() or (state.sparse_param_count
+                                                and sparse_waiting >= state.sparse_param_count)):
+        _flush(state)
+    if bucket.is_last():
+        # Counters close when all of the step's work has completed.
+        step, state._step_futures = state._step_futures, []
+
+        def close(f: torch.futures.Future) -> torch.Tensor:
+            state.end_step()
+            return f.value()[0].value()
+
+        return torch.futures.collect_all([fut, *step]).then(close)
+    return fut
+
+
+def _sparse_bucket(state: SparseCommState, bucket: dist.GradBucket, grad: torch.Tensor) -> torch.futures.Future:
+    params = bucket.parameters()
+    name = param_name(state, params[0], bucket, 0)
+    method = state.method_for(name)
+    queue_cleanup(state)
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        if out._nnz() == 0:
+            # No rank touched the table: like single-process training, leave
+            # its .grad None (see hooks.unused).
+            state._empty_sparse.append(params[0])
+        return out
+
+    item = _Pending(name, grad, method, method.value, state.next_call(name), finish)
+    state._pending.append(item)
+    state._step_futures.append(item.future)
+    return item.future
+
+
+def _flush(state: SparseCommState) -> None:
+    """Synchronize every sparse tensor held this step in one call; complete each one's future."""
+    items, state._pending = state._pending, []
+    tensors = [it.grad for it in items]
+    stats = [SparseSyncStats() for _ in items]
+    group = state.sparse_group
+    start = time.perf_counter()
+
+    def job() -> List[torch.Tensor]:
+        return sparse_allreduce_coalesced(tensors, group, op="avg", method=[it.method for it in items],
+                                          scheme=state.scheme, local_world_size=state.local_world_size or 1,
+                                          local_aggregation=state.local_aggregation, nonfinite=state.nonfinite,
+                                          stats=stats)
+
+    if state.overlap_sparse:
+        fut = run_async(job, group=group, device=tensors[0].device)
+    else:
+        fut = torch.futures.Future()
+        try:
+            fut.set_result(job())
+        except Exception as exc:  # raised through DDP's backward like an async failure
+            fut.set_exception(exc)
+
+    def deliver(f: torch.futures.Future) -> None:
+        try:
+            outs = f.value()
+        except Exception as exc:
+            for it in items:
+                it.future.set_exception(exc)
+            return
+        share = (time.perf_counter() - start) / len(items)
+        for it, out, s in zip(items, outs, stats):
+            try:
+                state.record(it.path, s.bytes_sent, s.bytes_recv, share)
+                if it.decide:
+                    state.maybe_decide(it.name, s, it.grad.element_size(), it.call)
+                value = it.finish(out)
+            except Exception as exc:
+                it.future.set_exception(exc)
+            else:
+                it.future.set_result(value)
+
+    fut.add_done_callback(deliver)
+
+
+def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
+    start = time.perf_counter()
+    group, n = state.process_group, state.world_size
+    slices = dense_embedding_slices(state, bucket, buffer)
+    if not slices:
+        fut = allreduce_mean_async(buffer, group, state.compression)
+        wire = COMPRESSION_DTYPES[state.compression]
+        elem = torch.empty(0, dtype=wire).element_size() if wire is not None else buffer.element_size()
+        nbytes = ring_allreduce_bytes(buffer.numel(), elem, n)
+        return fut.then(lambda f: _finish_dense(state, f.value(), bucket, nbytes, start))
+    # Embeddings with dense gradients: their non-zero rows join the step's
+    # sparse sync; everything else in the bucket goes through one allreduce.
+    rest_parts, futs = [], []
+    cursor = 0
+    for name, offset, num_rows, dim in slices:
+        if offset > cursor:
+            rest_parts.append((cursor, offset))
+        cursor = offset + num_rows * dim
+        table = buffer[offset:cursor].view(num_rows, dim)
+        item = _Pending(name, nonzero_rows(table), SyncMethod.PARTITIONED, SPARSE_ROWS, state.next_call(name),
+                        lambda out, table=table: write_rows(table, out), decide=False)
+        state._pending.append(item)
+        state._step_futures.append(item.future)
+        futs.append(item.future)
+    if cursor < buffer.numel():
+        rest_parts.append((cursor, buffer.numel()))
+    rest = torch.cat([buffer[a:b] for a, b in rest_parts]) if rest_parts else buffer.new_zeros(0)
+    futs.append(allreduce_mean_async(rest, group, state.compression))
+
+    def combine(f: torch.futures.Future) -> torch.Tensor:
+        reduced = f.value()[-1].value()
+        for x in f.value()[:-1]:
+            x.value()  # re-raise a failed sparse sync
+        pos = 0
+        for a, b in rest_parts:
+            buffer[a:b].copy_(reduced[pos:pos + b - a])
+            pos += b - a
+        nbytes = ring_allreduce_bytes(rest.numel(), rest.element_size(), n)
+        return _finish_dense(state, buffer, bucket, nbytes, start)
+
+    return torch.futures.collect_all(futs).then(combine)
+
+
+def _finish_dense(state: SparseCommState, result: torch.Tensor, bucket: dist.GradBucket, nbytes: int,
+                  start: float) -> torch.Tensor:
+    if state.nonfinite == "raise" and not all_finite(result):
+        # Checked on the reduced bucket, which is the same on every rank: all ranks raise together.
+        names = [param_name(state, p, bucket, i) for i, p in enumerate(bucket.parameters())]
+        raise ValueError(f"sparsecomm: NaN/Inf in the averaged gradients of {names} (some rank produced a "
+                         f"non-finite gradient). Use nonfinite='propagate' (the default) to let them through "
+                         f"(e.g. with AMP's GradScaler).")
+    state.record(DENSE, nbytes, nbytes, time.perf_counter() - start)
+    return result
+
+
+def register(ddp_model: nn.parallel.DistributedDataParallel, process_group: Optional[dist.ProcessGroup] = None,
+             **options: Any) -> SparseCommState:
+    """Register :func:`sparsecomm_hook` on a DDP model and return its state.
+
+    The same as ``ddp_model.register_comm_hook(SparseCommState(process_group, model=ddp_model, **options),
+    sparsecomm_hook)``, plus a check that no sparsecomm hook is registered yet.
+
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model.
+        process_group: the group DDP uses (default: the default group).
+        **options: :class:`SparseCommState` settings (compression, overrides, ...).
+
+    Returns:
+        The :class:`SparseCommState`: decisions and counters live there.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a DistributedDataParallel model.
+        RuntimeError: a communication hook is already registered on it.
+        ValueError: a bad option.
+
+    Example::
+
+        >>> ddp = DistributedDataParallel(model)
+        >>> state = sparsecomm.register(ddp, compression="bf16")
+        >>> ... train ...; print(state.stats)
+    """
+    if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
+        raise TypeError(f"sparsecomm.register needs a torch.nn.parallel.DistributedDataParallel model, got "
+                        f"{type(ddp_model).__name__}; wrap it first: DistributedDataParallel(model)")
+    if getattr(ddp_model, "_sparsecomm_state", None) is not None:
+        raise RuntimeError("sparsecomm.register: a sparsecomm hook is already registered on this DDP model "
+                           "(DDP allows one communication hook per model)")
+    state = SparseCommState(process_group, model=ddp_model, **options)
+    ddp_model.register_comm_hook(state, sparsecomm_hook)
+    ddp_model._sparsecomm_state = state
+    return state

@@ -1,0 +1,265 @@
+"""Settings, decisions and counters of the DDP hook (:class:`SparseCommState`)."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from sparsecomm.collectives.dense import COMPRESSION_DTYPES
+from sparsecomm.collectives.groups import env_local_world_size, node_groups, twin_group
+from sparsecomm.collectives.probe import measure_latency_bytes
+from sparsecomm.hooks.classifier import Decision, choose_method
+from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod
+
+__all__ = ["SparseCommState", "PathStats"]
+
+logger = logging.getLogger("sparsecomm")
+
+_OVERRIDES = {"auto", *(m.value for m in SyncMethod)}
+
+
+@dataclass
+class PathStats:
+    """Counters of one communication path."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    seconds: float = 0.0
+
+    def add(self, sent: int, recv: int, seconds: float) -> None:
+        self.calls += 1
+        self.bytes_sent += sent
+        self.bytes_recv += recv
+        self.seconds += seconds
+
+
+class _Counters(collections.defaultdict):
+    """``{path: PathStats}`` that prints as a table, not a defaultdict repr."""
+
+    def __init__(self) -> None:
+        super().__init__(PathStats)
+
+    def __repr__(self) -> str:
+        rows = [f"  {k:<22} calls={v.calls:<6} sent={v.bytes_sent / 1e6:.3f} MB  recv={v.bytes_recv / 1e6:.3f} MB  "
+                f"time={v.seconds * 1e3:.1f} ms" for k, v in sorted(self.items())]
+        return "sparsecomm paths:\n" + ("\n".join(rows) if rows else "  (no calls yet)")
+
+    def __reduce__(self):
+        return (_Counters, (), None, None, iter(self.items()))
+
+
+class SparseCommState:
+    r"""Settings, decisions and counters of :func:`sparsecomm.sparsecomm_hook`.
+
+    Args:
+        process_group: the DDP model's group (default group when None).
+        model: the DDP model (or its module), to name parameters in logs and
+            overrides, find dense-gradient embeddings, and keep embeddings that
+            a step does not use from breaking DDP (a forward hook). Without
+            it, all sparse buckets of a step are still synchronized together
+            (at the step's last bucket), but a sparse table unused in a step
+            fails inside DDP as it does without the hook.
+        compression: None, "fp16" or "bf16": dense buckets travel in half
+            precision (sparse rows always travel in their own dtype).
+        overrides: ``{parameter name: "partitioned" | "allgather" | "densify" | "torch" | "auto"}``.
+        sparse_dense_embeddings: for embeddings trained with dense gradients
+            (``sparse=False``), send only their non-zero rows through the
+            sparse path (exact: zero rows stay zero). Off by default.
+        scheme: row ownership of the partitioned path, "hash" or "range".
+        local_world_size, local_aggregation: node layout for two-level
+            aggregation (see :func:`sparsecomm.sparse_allreduce`); default:
+            what the launcher says for the default group, else 1.
+        nonfinite: "propagate" (default: NaN/Inf pass through the sums, as
+            with plain DDP, so AMP's ``GradScaler`` sees them and skips the
+            step) or "raise" (``ValueError`` on every rank; costs a host
+            synchronization per bucket).
+        latency_bytes: the classifier's price of one collective, in bytes;
+            None (default) measures it at construction (a few tiny and one
+            1 MiB all-to-all on the hook's group, about 10-50 ms).
+        reclassify_every: re-decide auto paths every this many steps (0: decide once).
+        history: how many past steps of per-path counters to keep.
+        overlap_sparse: run the step's sparse synchronization on the hook
+            group's worker thread (default), overlapping the rest of backward
+            and the dense allreduces; False runs it on the autograd thread.
+            Either way only one thread ever uses the hook's group.
+
+    Raises:
+        ValueError: an unknown compression, override or scheme.
+    """
+
+    __slots__ = (
+        # tunable settings
+        "process_group", "compression", "overrides", "sparse_dense_embeddings", "scheme", "local_world_size",
+        "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every", "overlap_sparse",
+        # internal state
+        "world_size", "_sparse_group", "param_names", "dense_embedding_names", "sparse_param_count", "decisions",
+        "iteration", "_decided_at", "_calls", "_suggested", "_pending", "_step_futures", "_empty_sparse", "_clear_empty",
+        "_cleanup_queued", "_lock", "_backend",
+        # statistics
+        "stats", "step_stats", "history",
+    )
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, model: Optional[nn.Module] = None,
+                 compression: Optional[str] = None, overrides: Optional[Dict[str, str]] = None,
+                 sparse_dense_embeddings: bool = False, scheme: str = "hash",
+                 local_world_size: Optional[int] = None, local_aggregation: bool = True,
+                 nonfinite: str = "propagate", latency_bytes: Optional[float] = None, reclassify_every: int = 0,
+                 history: int = 100, overlap_sparse: bool = True) -> None:
+        if compression not in COMPRESSION_DTYPES:
+            raise ValueError(f"compression must be 'fp16', 'bf16' or None, got {compression!r}")
+        overrides = dict(overrides or {})
+        for name, path in overrides.items():
+            if path not in _OVERRIDES:
+                raise ValueError(f"override for {name!r} must be one of {sorted(_OVERRIDES)}, got {path!r}")
+        PartitionScheme(scheme)
+        if nonfinite not in ("raise", "propagate"):
+            raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
+        if reclassify_every < 0:
+            raise ValueError("reclassify_every must be >= 0")
+        self.process_group = process_group
+        self._backend = dist.get_backend(process_group)
+        if self._backend != "gloo" and "torch" in overrides.values():
+            raise ValueError("override 'torch' (the backend's sparse all_reduce) needs a gloo group")
+        self.compression = None if compression == "none" else compression
+        self.overrides = overrides
+        self.sparse_dense_embeddings = sparse_dense_embeddings
+        self.scheme = scheme
+        self.local_aggregation = local_aggregation
+        self.nonfinite = nonfinite
+        self.reclassify_every = reclassify_every
+        self.overlap_sparse = overlap_sparse
+
+        self.world_size = dist.get_world_size(process_group)
+        if local_world_size is None and (process_group is None or process_group is dist.GroupMember.WORLD):
+            local_world_size = env_local_world_size()  # what the launcher says, as sparse_allreduce does
+        self.local_world_size = local_world_size
+        self._sparse_group = None
+        self.sparse_group  # collective: create the hook's groups now, on every rank, not mid-backward
+        self.latency_bytes = (measure_latency_bytes(self.sparse_group) if latency_bytes is None
+                              else float(latency_bytes))
+        self._init_runtime()
+        self.param_names: Dict[int, str] = {}
+        self.dense_embedding_names: Dict[str, Tuple[int, int]] = {}
+        self.sparse_param_count = 0
+        self.decisions: Dict[str, Decision] = {}
+        self.iteration = 0
+        self._decided_at: Dict[str, int] = {}
+        self._calls: Dict[str, int] = {}  # sparse syncs per parameter, counted on the autograd thread
+        self._suggested: set = set()
+        self._clear_empty = False
+        self.stats: Dict[str, PathStats] = _Counters()
+        self.step_stats: Dict[str, PathStats] = _Counters()
+        self.history: Deque[Dict[str, PathStats]] = collections.deque(maxlen=history)
+        if model is not None:
+            self.attach(model)
+
+    def _init_runtime(self) -> None:
+        self._pending: List[Any] = []         # sparse work of this step, synchronized together
+        self._step_futures: List[Any] = []    # futures of this step's sparse work (the step closes after them)
+        self._empty_sparse: List[nn.Parameter] = []
+        self._cleanup_queued = False
+        self._lock = threading.Lock()         # counters are updated from the autograd and the worker thread
+
+    @property
+    def sparse_group(self) -> dist.ProcessGroup:
+        """The hook's own group for sparse work: a twin of ``process_group`` that no other code uses."""
+        if self._sparse_group is None:
+            self._sparse_group = twin_group(self.process_group, purpose="ddp-hook")
+            lws = self.local_world_size
+            if lws and self.local_aggregation and 1 < lws < self.world_size and self.world_size % lws == 0:
+                node_groups(self._sparse_group, lws)  # collective: build now
+        return self._sparse_group
+
+    # ------------------------------------------------------------- model link
+
+    def attach(self, model: nn.Module) -> None:
+        """Learn parameter names and embedding kinds from ``model`` (a DDP model or its module).
+
+        Also installs the forward hook that keeps sparse tables a step does not
+        use from breaking DDP (see :mod:`sparsecomm.hooks.unused`).
+        """
+        from sparsecomm.hooks.unused import install_unused_table_hook
+
+        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        unknown = set(self.overrides)
+        for name, p in module.named_parameters():
+            self.param_names[p.data_ptr()] = name
+            unknown.discard(name)
+        if unknown:
+            raise ValueError(f"overrides name parameters the model does not have: {sorted(unknown)}")
+        for mod_name, mod in module.named_modules():
+            if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and not mod.sparse:
+                self.dense_embedding_names[f"{mod_name}.weight" if mod_name else "weight"] = tuple(mod.weight.shape)
+        self.sparse_param_count = install_unused_table_hook(module, self)
+
+    # ---------------------------------------------------------------- pickling
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # Like PowerSGDState: process groups do not pickle; the restored state
+        # uses the default group. Parameter names are keyed by this process's
+        # tensor addresses: call attach(model) again after unpickling.
+        skip = {"process_group", "_sparse_group", "_pending", "_step_futures", "_empty_sparse", "_cleanup_queued",
+                "_lock", "param_names", "_clear_empty", "sparse_param_count"}
+        return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.process_group = None
+        self._sparse_group = None  # created on first use (a collective), not while unpickling
+        self.param_names = {}
+        self.sparse_param_count = 0
+        self._clear_empty = False
+        self._init_runtime()
+
+    # ------------------------------------------------------------- decisions
+
+    def method_for(self, name: str) -> SyncMethod:
+        """The path the next call for parameter ``name`` takes."""
+        forced = self.overrides.get(name, "auto")
+        if forced != "auto":
+            return SyncMethod(forced)
+        decision = self.decisions.get(name)
+        return decision.method if decision else SyncMethod.PARTITIONED  # measure first
+
+    def maybe_decide(self, name: str, s: SparseSyncStats, elem_bytes: int, call: int) -> None:
+        """Decide ``name``'s path from a completed sync's global counts (same numbers on every rank)."""
+        # `call` is this parameter's sync count, taken on the autograd thread in
+        # program order: the same on every rank, unlike `iteration`.
+        if self.overrides.get(name, "auto") != "auto":
+            return
+        last = self._decided_at.get(name)
+        if last is not None and not (self.reclassify_every and call - last >= self.reclassify_every):
+            return
+        n = s.world_size
+        allowed = [m for m in SyncMethod if m is not SyncMethod.TORCH or self._backend == "gloo"]
+        decision = choose_method(n, s.num_rows, s.row_bytes // elem_bytes, elem_bytes, s.index_bytes,
+                                 s.rows_local_sum / max(1, n), s.rows_out, self.latency_bytes, allowed=allowed)
+        previous = self.decisions.get(name)
+        self.decisions[name] = decision
+        self._decided_at[name] = call
+        if previous is None or previous.method != decision.method:
+            logger.info("sparsecomm: %s -> %s path: %s", name, decision.method.value, decision.reason)
+
+    def next_call(self, name: str) -> int:
+        call = self._calls[name] = self._calls.get(name, 0) + 1
+        return call
+
+    def end_step(self) -> None:
+        with self._lock:
+            self.history.append(dict(self.step_stats))
+            self.step_stats = _Counters()
+            self.iteration += 1
+
+    def record(self, path: str, sent: int, recv: int, seconds: float) -> None:
+        with self._lock:
+            self.stats[path].add(sent, recv, seconds)
+            self.step_stats[path].add(sent, recv, seconds)
