@@ -49,7 +49,7 @@ void partition_rows(const void* ids, IndexType it, int64_t n, int64_t num_rows, 
       n, owners, threads, [&](int64_t i) { return static_cast<int64_t>(owner[i]); },
       [&](int64_t i, int64_t dst) {
         std::memcpy(idst + dst * id_bytes, isrc + i * id_bytes, id_bytes);
-        if (vdst) std::memcpy(vdst + dst * row_bytes, vsrc + i * row_bytes, row_bytes);
+        if (vdst && row_bytes) std::memcpy(vdst + dst * row_bytes, vsrc + i * row_bytes, row_bytes);
         if (perm) perm[dst] = i;
       },
       counts);

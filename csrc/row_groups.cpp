@@ -23,6 +23,7 @@ IdRange id_range(const void* ids, IndexType it, int64_t n, int threads) {
 
 IdRange check_ids(const void* ids, IndexType it, int64_t n, int64_t num_rows, int threads,
                   const char* what) {
+  if (n < 0) throw std::invalid_argument(std::string("sparsecomm: ") + what + " has a negative length");
   const IdRange r = id_range(ids, it, n, threads);
   if (n > 0 && (r.min < 0 || (num_rows >= 0 && r.max >= num_rows))) {
     const int64_t bad = r.min < 0 ? r.min : r.max;

@@ -34,6 +34,8 @@ void scatter_add_owned(T* table, int64_t d, const void* ids, IndexType it, int64
 
 void scatter_add_rows(void* table, int64_t num_rows, ValueType vt, int64_t d, const void* ids, IndexType it,
                       int64_t n, const void* values, int threads) {
+  // A negative bound would mean "unbounded" to check_ids: never for a table we write to.
+  if (num_rows < 0) throw std::invalid_argument("sparsecomm: scatter_add_rows needs num_rows >= 0");
   threads = clamp_threads(threads);
   if (vt == ValueType::kFloat32 || vt == ValueType::kFloat64) {
     check_ids(ids, it, n, num_rows, threads, "ids");  // before any write

@@ -6,7 +6,8 @@ The only module that imports the compiled kernels. CPU tensors run the C++
 
 Every function checks its arguments and raises ``TypeError`` (wrong type or
 dtype) or ``ValueError`` (shape, contiguity, device, out-of-range id) naming the
-argument, before touching any output. Values may be float32, float64, float16
+argument, before touching any output. Only CPU and CUDA tensors are accepted:
+a ``meta`` (or any other) tensor has no memory a kernel could read. Values may be float32, float64, float16
 or bfloat16 (fp16/bf16 accumulate in float32 and round once); ids int32 or
 int64. Values are ``(n, *row_shape)``: each row is ``prod(row_shape)`` values.
 """
@@ -14,6 +15,7 @@ int64. Values are ``(n, *row_shape)``: each row is ``prod(row_shape)`` values.
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -58,9 +60,19 @@ class Partition(NamedTuple):
 # ---------------------------------------------------------------- validation
 
 
+_KERNEL_DEVICES = ("cpu", "cuda")
+
+
+def _check_device(t: torch.Tensor, name: str) -> None:
+    # The kernels read and write raw pointers: a meta tensor's is null.
+    if t.device.type not in _KERNEL_DEVICES:
+        raise ValueError(f"{name} is on {t.device}: sparsecomm kernels take CPU or CUDA tensors")
+
+
 def _check_ids(ids, name: str = "ids") -> None:
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
+    _check_device(ids, name)
     if ids.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} must be int32 or int64, got {ids.dtype}")
     if ids.dim() != 1:
@@ -72,6 +84,7 @@ def _check_ids(ids, name: str = "ids") -> None:
 def _check_values(values, name: str, rows: Optional[int], device: torch.device) -> None:
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(values).__name__}")
+    _check_device(values, name)
     if values.dtype not in VALUE_DTYPES:
         raise TypeError(f"{name} must be float32, float64, float16 or bfloat16, got {values.dtype}")
     if values.dim() < 1:
@@ -84,6 +97,34 @@ def _check_values(values, name: str, rows: Optional[int], device: torch.device) 
         raise ValueError(f"{name} must be contiguous")
     if values.device != device:
         raise ValueError(f"{name} is on {values.device} but ids is on {device}")
+
+
+def _check_num_rows(num_rows) -> int:
+    """``num_rows`` as the kernels take it: a bound >= 0, or -1 for "no upper bound" (None)."""
+    if num_rows is None:
+        return -1
+    try:
+        n = operator.index(num_rows)
+    except TypeError:
+        raise TypeError(f"num_rows must be an int or None, got {type(num_rows).__name__}") from None
+    if n < 0:
+        # The kernels read a negative bound as "none": it must never get there.
+        raise ValueError(f"num_rows must be >= 0, got {n}")
+    return n
+
+
+def _byte_span(t: torch.Tensor) -> Tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _check_no_overlap(table: torch.Tensor, other: torch.Tensor, name: str) -> None:
+    # Both are contiguous, so their bytes are exactly these spans.
+    if table.numel() == 0 or other.numel() == 0:
+        return
+    (a0, a1), (b0, b1) = _byte_span(table), _byte_span(other)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(f"{name} overlaps table's memory: the kernel would read what it is writing")
 
 
 def _row_width(values: torch.Tensor) -> int:
@@ -141,12 +182,12 @@ def coalesce_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: Optional[in
     """
     _check_ids(ids)
     _check_values(values, "values", ids.shape[0], ids.device)
+    bound = _check_num_rows(num_rows)
     if ids.is_cuda:
         _check_cuda_ids(ids, num_rows)
         out_ids, sums = _cuda().coalesce_rows(ids, values.reshape(ids.shape[0], _row_width(values)))
         return out_ids, sums.view((out_ids.shape[0], *values.shape[1:]))
-    plan = _C.coalesce_plan(ids.data_ptr(), _INDEX_CODE[ids.dtype], ids.shape[0],
-                            -1 if num_rows is None else int(num_rows), _threads())
+    plan = _C.coalesce_plan(ids.data_ptr(), _INDEX_CODE[ids.dtype], ids.shape[0], bound, _threads())
     u = plan.num_unique
     out_ids = torch.empty(u, dtype=ids.dtype)
     out_values = torch.empty((u, *values.shape[1:]), dtype=values.dtype)
@@ -202,6 +243,7 @@ def partition_rows(ids: torch.Tensor, values: Optional[torch.Tensor], num_owners
     _check_ids(ids)
     if values is not None:
         _check_values(values, "values", ids.shape[0], ids.device)
+    bound = _check_num_rows(num_rows)
     scheme_code, range_size = _owner_map(num_owners, scheme, num_rows, range_size, stride)
     if ids.is_cuda:
         _check_cuda_ids(ids, num_rows)
@@ -217,7 +259,7 @@ def partition_rows(ids: torch.Tensor, values: Optional[torch.Tensor], num_owners
     perm = torch.empty(n, dtype=torch.int64)
     out_values = None if values is None else torch.empty_like(values)
     row_bytes = 0 if values is None else _row_width(values) * values.element_size()
-    _C.partition_rows(ids.data_ptr(), _INDEX_CODE[ids.dtype], n, -1 if num_rows is None else int(num_rows),
+    _C.partition_rows(ids.data_ptr(), _INDEX_CODE[ids.dtype], n, bound,
                       0 if values is None else values.data_ptr(), row_bytes, scheme_code, num_owners,
                       range_size, stride, counts.data_ptr(), out_ids.data_ptr(),
                       0 if out_values is None else out_values.data_ptr(), perm.data_ptr(), _threads())
@@ -275,12 +317,23 @@ def scatter_add_rows(table: torch.Tensor, ids: torch.Tensor, values: torch.Tenso
         ids: ``(n,)`` int32/int64 ids in ``[0, V)``.
         values: ``(n, *row_shape)``, same dtype as ``table``.
 
+    Autograd does not see through the kernel, so the call is refused where a
+    gradient would silently be wrong: with grad mode on, ``table`` and
+    ``values`` must not require grad (run optimizer updates under
+    ``torch.no_grad()``, as torch's own in-place updates of leaves must).
+    The write bumps ``table``'s version counter like an in-place op, so a
+    backward that saved ``table`` before the update raises instead of using
+    the new values.
+
     Returns:
         ``table``.
 
     Raises:
-        TypeError, ValueError: bad types, shapes, devices, dtypes, or an id out
-        of range (the table is left untouched).
+        TypeError, ValueError: bad types, shapes, devices, dtypes, ``values``
+            or ``ids`` sharing memory with ``table``, or an id out of range
+            (the table is left untouched).
+        RuntimeError: grad mode is on and ``table`` or ``values`` requires
+            grad (as for torch's in-place ops on a leaf that requires grad).
     """
     _check_ids(ids)
     _check_values(table, "table", None, ids.device)
@@ -290,12 +343,22 @@ def scatter_add_rows(table: torch.Tensor, ids: torch.Tensor, values: torch.Tenso
     if values.shape[1:] != table.shape[1:]:
         raise ValueError(f"values rows have shape {tuple(values.shape[1:])} but table rows have "
                          f"{tuple(table.shape[1:])}")
+    _check_no_overlap(table, values, "values")
+    _check_no_overlap(table, ids, "ids")
+    base = table._base if table._base is not None else table  # a no_grad view of a leaf counts as the leaf
+    if torch.is_grad_enabled() and (table.requires_grad or base.requires_grad or values.requires_grad):
+        which = "values" if values.requires_grad and not (table.requires_grad or base.requires_grad) else "table"
+        raise RuntimeError(f"scatter_add_rows is not differentiable but {which} requires grad: a leaf that "
+                           f"requires grad cannot be updated in place, and a gradient through the update would "
+                           f"be wrong; call it under torch.no_grad()")
     num_rows = table.shape[0]
     if ids.is_cuda:
         _check_cuda_ids(ids, num_rows)
         width = _row_width(table)
         _cuda().scatter_add_rows(table.view(num_rows, width), ids, values.reshape(ids.shape[0], width))
-        return table
-    _C.scatter_add_rows(table.data_ptr(), num_rows, _VALUE_CODE[table.dtype], _row_width(table), ids.data_ptr(),
-                        _INDEX_CODE[ids.dtype], ids.shape[0], values.data_ptr(), _threads())
+    else:
+        _C.scatter_add_rows(table.data_ptr(), num_rows, _VALUE_CODE[table.dtype], _row_width(table),
+                            ids.data_ptr(), _INDEX_CODE[ids.dtype], ids.shape[0], values.data_ptr(), _threads())
+    # Written through a raw pointer: tell autograd, as an in-place op would.
+    torch.autograd.graph.increment_version(table)
     return table

@@ -297,3 +297,108 @@ def test_row_owner_rejects_bad_maps_instead_of_crashing():
     for args in [(5, 0, 0, 1, 1), (5, 1, 2, 0, 1), (5, 7, 2, 1, 1), (-1, 0, 2, 1, 1), (5, 0, 2, 1, 0)]:
         with pytest.raises(ValueError):
             _C.row_owner(*args)
+
+
+# ------------------------------------------------------------ kernel contracts
+
+
+def test_tensors_without_memory_are_refused_before_any_kernel():
+    # A meta tensor's data pointer is null: it must never reach the C++ kernels.
+    meta_ids = torch.tensor([0, 1]).to("meta")
+    meta_values = torch.ones(2, 3).to("meta")
+    for call in (lambda: ops.coalesce_rows(meta_ids, meta_values),
+                 lambda: ops.partition_rows(meta_ids, None, 2),
+                 lambda: ops.row_owners(meta_ids, 2),
+                 lambda: ops.gather_rows(torch.ones(4, 3).to("meta"), meta_ids),
+                 lambda: ops.scatter_add_rows(torch.ones(4, 3).to("meta"), meta_ids, meta_values)):
+        with pytest.raises(ValueError, match="ids is on meta"):
+            call()
+    ids = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="values is on meta"):
+        ops.coalesce_rows(ids, meta_values)
+    with pytest.raises(ValueError, match="table is on meta"):
+        ops.gather_rows(torch.ones(4, 3).to("meta"), ids)
+    with pytest.raises(ValueError, match="values is on meta"):
+        ops.scatter_add_rows(torch.ones(4, 3), ids, meta_values)
+
+
+def test_negative_num_rows_is_an_error_not_an_unbounded_table():
+    ids, values = torch.tensor([0, 7]), torch.ones(2, 1)
+    with pytest.raises(ValueError, match="num_rows must be >= 0"):
+        ops.coalesce_rows(ids, values, num_rows=-3)
+    with pytest.raises(ValueError, match="num_rows must be >= 0"):
+        ops.partition_rows(ids, values, 2, num_rows=-1)
+    with pytest.raises(TypeError, match="num_rows must be an int"):
+        ops.coalesce_rows(ids, values, num_rows=2.5)
+    # The compiled kernels refuse a negative bound too (-1 would disable their id check).
+    table, out = torch.zeros(4, 1), torch.zeros(2, 1)
+    with pytest.raises(ValueError, match="num_rows >= 0"):
+        _C.gather_rows(table.data_ptr(), -1, 4, ids.data_ptr(), 1, 2, out.data_ptr(), 1)
+    with pytest.raises(ValueError, match="num_rows >= 0"):
+        _C.scatter_add_rows(table.data_ptr(), -1, 0, 1, ids.data_ptr(), 1, 2, out.data_ptr(), 1)
+
+
+def test_scatter_add_refuses_what_autograd_would_get_wrong():
+    leaf = torch.zeros(4, 2, requires_grad=True)
+    ids, values = torch.tensor([1, 1]), torch.ones(2, 2)
+    with pytest.raises(RuntimeError, match="table requires grad"):
+        ops.scatter_add_rows(leaf, ids, values)
+    with torch.no_grad():
+        view = leaf.view(-1, 1)  # a view made without grad still writes to the leaf
+    with pytest.raises(RuntimeError, match="table requires grad"):
+        ops.scatter_add_rows(view, torch.tensor([0]), torch.ones(1, 1))
+    with pytest.raises(RuntimeError, match="values requires grad"):
+        ops.scatter_add_rows(torch.zeros(4, 2), ids, torch.ones(2, 2, requires_grad=True))
+    assert torch.equal(leaf, torch.zeros(4, 2))
+    # Optimizer-style updates of a leaf under no_grad, as torch's own in-place ops allow.
+    with torch.no_grad():
+        ops.scatter_add_rows(leaf, ids, values)
+    assert leaf[1].tolist() == [2.0, 2.0] and leaf.requires_grad
+
+
+@pytest.mark.parametrize("update", ["index_add_", "scatter_add_rows"])
+def test_scatter_add_bumps_the_version_like_an_in_place_op(update):
+    table = torch.randn(4, 3)
+    weight = torch.randn(3, requires_grad=True)
+    loss = (table * weight).sum()  # saves table for weight's gradient
+    version = table._version
+    ids, values = torch.tensor([2]), torch.ones(1, 3)
+    if update == "index_add_":  # the reference behaviour
+        table.index_add_(0, ids, values)
+    else:
+        ops.scatter_add_rows(table, ids, values)
+    assert table._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_scatter_add_refuses_inputs_sharing_the_tables_memory():
+    table = torch.randn(6, 2)
+    before = table.clone()
+    with pytest.raises(ValueError, match="values overlaps table's memory"):
+        ops.scatter_add_rows(table, torch.tensor([0, 1]), table[2:4])
+    # ids aliasing the table could be rewritten by the kernel after they were bounds-checked.
+    alias = torch.zeros(6, 2).view(torch.int32).view(-1)
+    with pytest.raises(ValueError, match="ids overlaps table's memory"):
+        ops.scatter_add_rows(alias.view(torch.float32).view(6, 2), alias[:2], torch.ones(2, 2))
+    assert torch.equal(table, before)
+    # Disjoint slices of one buffer are fine.
+    buf = torch.zeros(8, 2)
+    ops.scatter_add_rows(buf[:4], torch.tensor([3, 3]), buf[4:6] + 1)
+    assert buf[3].tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_zero_width_rows(index_dtype):
+    # Null data pointers with 0-byte rows: nothing to copy (UBSan checks the guard in scripts/sanitize.sh).
+    ids = torch.tensor([3, 0, 3], dtype=index_dtype)
+    values = torch.empty(3, 0)
+    u, s = ops.coalesce_rows(ids, values)
+    assert u.tolist() == [0, 3] and s.shape == (2, 0)
+    part = ops.partition_rows(ids, values, 2)
+    assert part.values.shape == (3, 0) and int(part.counts.sum()) == 3
+    table = torch.empty(5, 0)
+    assert ops.gather_rows(table, ids).shape == (3, 0)
+    assert ops.scatter_add_rows(table, ids, values) is table
+    with pytest.raises(ValueError, match="outside"):
+        ops.gather_rows(table, torch.tensor([5], dtype=index_dtype))
