@@ -17,8 +17,9 @@ both with a message; it never loads a mix silently.
 only the rows it takes are read into memory), keeps the rows that it owns
 under the *current* world size and scheme, and checks that every one of its
 rows arrived exactly once. Values, optimizer moments and step counts all move
-with their rows. All checks are agreed across ranks: if any rank refuses, all
-refuse, before anything is modified. The directory must be one that every
+with their rows. The checksums are split among the ranks (each file is hashed
+by one rank, not by all of them). All checks are agreed across ranks: if any
+rank refuses, all refuse, before anything is modified. The directory must be one that every
 rank sees (a shared filesystem across nodes), since every rank may need rows
 from every shard.
 """
@@ -30,12 +31,12 @@ import json
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-from sparsecomm.collectives.sharded_exchange import agree, all_gather_objects, barrier
+from sparsecomm.collectives.sharded_exchange import agree, all_gather_objects, barrier, world
 from sparsecomm.sharded.embedding import sharded_modules
 from sparsecomm.sharded.optimizer import ShardedOptimizer
 
@@ -212,8 +213,15 @@ def save(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
     return manifest
 
 
-def verify(directory: str) -> Dict[str, Any]:
+def verify(directory: str, share: Tuple[int, int] = (0, 1)) -> Dict[str, Any]:
     """Check that ``directory`` holds a complete, untorn checkpoint; return its manifest.
+
+    Args:
+        directory: the checkpoint directory.
+        share: ``(i, n)``: hash only every n-th file of the sorted file list,
+            starting at the i-th (the default hashes all). :func:`load` gives
+            each of its n ranks one share, so every file is hashed once in all;
+            every file's presence and size are checked whatever the share.
 
     Raises:
         CheckpointError: no manifest (incomplete or interrupted save), an
@@ -236,7 +244,10 @@ def verify(directory: str) -> Dict[str, Any]:
     expected = {_shard_name(r, n) for r in range(n)} | {DENSE} if isinstance(n, int) and n >= 1 else None
     if expected is None or set(manifest.get("files", {})) != expected:
         raise CheckpointError(f"{path}: the file list does not match world size {n}")
-    for name, info in sorted(manifest["files"].items()):
+    index, every = share
+    if not 0 <= index < every:
+        raise ValueError(f"share must be (i, n) with 0 <= i < n, got {share!r}")
+    for k, (name, info) in enumerate(sorted(manifest["files"].items())):
         fpath = os.path.join(directory, name)
         if not os.path.exists(fpath):
             raise CheckpointError(f"{fpath} is missing (the manifest lists it)")
@@ -244,7 +255,7 @@ def verify(directory: str) -> Dict[str, Any]:
         if size != info["bytes"]:
             raise CheckpointError(f"{fpath} is {size} bytes but the manifest says {info['bytes']}: "
                                   f"torn or overwritten after the checkpoint was written")
-        if _sha256(fpath) != info["sha256"]:
+        if k % every == index and _sha256(fpath) != info["sha256"]:
             raise CheckpointError(f"{fpath} does not match its sha256 in the manifest: "
                                   f"corrupted or from another checkpoint")
     return manifest
@@ -281,14 +292,19 @@ def _check_fits(manifest: Dict[str, Any], tables, optimizer: Optional[ShardedOpt
 def _reshard(directory: str, manifest: Dict[str, Any], tables, optimizer: Optional[ShardedOptimizer]
              ) -> Dict[str, Dict[str, Any]]:
     """This rank's rows of every table, taken from every old shard; checks each row arrives once."""
+    # Rows are staged on the CPU, where the shard files are mapped: ids, slots
+    # and the staging buffers share one device, whatever the tables' device.
+    cpu = torch.device("cpu")
     opt_tables = _optimizer_tables(optimizer, tables)
     out: Dict[str, Dict[str, Any]] = {}
     for name, t in tables:
-        entry = {"weight": torch.empty_like(t.local_weight, requires_grad=False),
-                 "filled": torch.zeros(t.layout.num_local, dtype=torch.int32), "rows": {}, "steps": set()}
+        entry = {"weight": torch.empty(t.local_weight.shape, dtype=t.local_weight.dtype, device=cpu),
+                 "filled": torch.zeros(t.layout.num_local, dtype=torch.int32, device=cpu), "rows": {},
+                 "steps": set(), "optimizer": name in opt_tables}
         if name in opt_tables:
             for k in optimizer.row_state_names:
-                entry["rows"][k] = torch.empty_like(optimizer.state[opt_tables[name]][k])
+                state = optimizer.state[opt_tables[name]][k]
+                entry["rows"][k] = torch.empty(state.shape, dtype=state.dtype, device=cpu)
         out[name] = entry
     n = manifest["world_size"]
     for r in range(n):
@@ -306,17 +322,19 @@ def _reshard(directory: str, manifest: Dict[str, Any], tables, optimizer: Option
                 raise CheckpointError(f"{fname}: table {name!r} rows do not match the manifest")
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t.num_embeddings):
                 raise CheckpointError(f"{fname}: table {name!r} holds ids outside [0, {t.num_embeddings})")
-            mine = (t.layout.owners(ids) == t.layout.rank).nonzero().squeeze(1)
-            slots = t.layout.slots(ids[mine])
+            ids = ids.to(cpu)
+            mine = t.layout.owns(ids).nonzero().squeeze(1)
+            slots = t.layout.slots(ids[mine])  # on the ids' device: the CPU
             e = out[name]
             e["weight"][slots] = weight[mine].to(e["weight"].dtype)
             e["filled"].index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
-            if e["rows"]:
+            if e["optimizer"]:
                 opt = s.get("optimizer")
                 if opt is None:
                     raise CheckpointError(f"{fname}: table {name!r} was saved without optimizer state")
                 for k, dst in e["rows"].items():
                     dst[slots] = opt["rows"][k][mine].to(dst.dtype)
+                # Every optimizer counts steps (SGD too, though its rule ignores them).
                 e["steps"].add(int(opt["step"]))
         del shard
     for name, e in out.items():
@@ -333,7 +351,8 @@ def load(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
          strict: bool = True) -> Any:
     """Load a checkpoint written by :func:`save` at any world size and scheme; collective.
 
-    Every rank verifies the manifest and the checksums of the files it reads,
+    Every rank verifies the manifest and every file's size, and hashes its
+    share of the files (each file is hashed by one rank, agreed by all),
     takes the rows it owns now (with their optimizer rows and step), and
     loads the model's replicated state and the optimizer's hyperparameters.
     Nothing is modified until every rank has succeeded.
@@ -357,7 +376,9 @@ def load(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
     what = f"sparsecomm.sharded.load refused {directory}"
     manifest = error = None
     try:
-        manifest = verify(directory)
+        # Each rank hashes its share of the files; the agreement below is the
+        # one collective that makes a mismatch anywhere everyone's refusal.
+        manifest = verify(directory, share=(0, 1) if group is None else world(group))
         _check_fits(manifest, tables, optimizer, strict)
     except (CheckpointError, OSError, KeyError, TypeError) as exc:
         error = str(exc) or repr(exc)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import (STATUS_BAD_INPUT, STATUS_ID_RANGE, STATUS_OK,
-                                                     allgather_table_rows, broadcast_int, exchange_rows,
+                                                     allgather_table_rows, broadcast_int, exchange_rows, pull_rows,
                                                      request_rows, sharded_group, world)
 from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.types import PartitionScheme, SparseSyncStats
@@ -152,8 +152,10 @@ class _ShardedTable(nn.Module):
 
     def _zero_padding_row(self) -> None:
         p = self.padding_idx
-        if p is not None and int(self.layout.owners(torch.tensor([p]))[0]) == self.layout.rank:
-            self.local_weight[self.layout.slots(torch.tensor([p]))] = 0
+        if p is not None:
+            pid = torch.tensor([p], device=self.layout.device)
+            if bool(self.layout.owns(pid)[0]):
+                self.local_weight[self.layout.slots(pid).to(self.local_weight.device)] = 0
 
     @torch.no_grad()
     def load_full_weight(self, weight: torch.Tensor) -> None:
@@ -195,6 +197,9 @@ class _ShardedTable(nn.Module):
         if ids.dtype not in (torch.int32, torch.int64):
             return torch.empty(0, dtype=torch.int64), (STATUS_BAD_INPUT, 0,
                                                        f"{name}: input must be int32 or int64, got {ids.dtype}")
+        if ids.device != self.local_weight.device:
+            return torch.empty(0, dtype=torch.int64), (
+                STATUS_BAD_INPUT, 0, f"{name}: input is on {ids.device} but the table is on {self.local_weight.device}")
         flat = ids.reshape(-1)
         if flat.numel():
             lo, hi = torch.aminmax(flat)
@@ -216,7 +221,7 @@ class _ShardedTable(nn.Module):
         rows = _PullRows.apply(self.local_weight, self, unique, status)
         pad = None
         if self.padding_idx is not None and unique.numel():
-            pos = int(torch.searchsorted(unique, torch.tensor([self.padding_idx])).item())
+            pos = int(torch.searchsorted(unique, torch.tensor([self.padding_idx], device=unique.device)).item())
             if pos < unique.numel() and int(unique[pos]) == self.padding_idx:
                 pad = pos
         return rows, inverse, pad
@@ -225,12 +230,18 @@ class _ShardedTable(nn.Module):
         part = self.layout.partition(unique_ids)
         self.stats.rows_in += int(unique_ids.numel())
         fingerprint = (self.num_embeddings, self.embedding_dim, self.table_id, self._kind)
-        send, recv, requested = request_rows(part.ids, part.counts, status=status[0], detail=status[1],
-                                             message=status[2], fingerprint=fingerprint,
-                                             num_rows=self.num_embeddings, group=self._group, stats=self.stats)
-        slots = self.layout.slots(requested)
-        served = ops.gather_rows(self.local_weight.detach(), slots)
-        got = exchange_rows(served, recv, send, self._group, self.stats)
+        send, recv, requested, refused = request_rows(
+            part.ids, part.counts, status=status[0], detail=status[1], message=status[2], fingerprint=fingerprint,
+            num_rows=self.num_embeddings, num_local=self.layout.num_local, group=self._group,
+            owns=self.layout.owns, stats=self.stats)
+        weight = self.local_weight.detach()
+        if refused is None:
+            slots = self.layout.slots(requested).to(weight.device)
+            served = ops.gather_rows(weight, slots)
+        else:  # a peer sent ids this rank does not own: serve nothing, every rank raises in pull_rows
+            slots = torch.empty(0, dtype=torch.int64, device=weight.device)
+            served = weight.new_zeros(requested.shape[0], self.embedding_dim)
+        got = pull_rows(served, send, recv, refused, self._group, self.stats)
         rows = torch.empty_like(got).index_copy_(0, part.perm, got)
         return rows, _Plan(send, recv, part.perm, slots, requested)
 
@@ -428,8 +439,11 @@ class ShardedEmbeddingBag(_ShardedTable):
         self.include_last_offset = include_last_offset
 
     def _check_bag_input(self, input, offsets, per_sample_weights) -> Optional[str]:
+        # Everything F.embedding_bag would refuse after the exchange (on this
+        # rank only) is refused here, before it, through the status round.
         if not isinstance(input, torch.Tensor):
             return None  # reported by _check_input
+        device = self.local_weight.device
         if input.dim() == 2:
             if offsets is not None:
                 return "offsets must be None when input is 2-D (B, L)"
@@ -439,6 +453,10 @@ class ShardedEmbeddingBag(_ShardedTable):
             if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or \
                     offsets.dtype not in (torch.int32, torch.int64):
                 return "offsets must be a 1-D int32/int64 tensor"
+            if offsets.device != device:
+                return f"offsets are on {offsets.device} but the table is on {device}"
+            if self.include_last_offset and offsets.numel() == 0:
+                return "include_last_offset=True needs at least one offset"
             if offsets.numel():
                 if int(offsets[0]) != 0:
                     return f"offsets[0] must be 0, got {int(offsets[0])}"
@@ -451,6 +469,11 @@ class ShardedEmbeddingBag(_ShardedTable):
                 return f"per_sample_weights need mode='sum', not {self.mode!r}"
             if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.shape != input.shape:
                 return "per_sample_weights must be a tensor of the input's shape"
+            if per_sample_weights.dtype != self.local_weight.dtype:
+                return (f"per_sample_weights must have the table's dtype {self.local_weight.dtype}, "
+                        f"got {per_sample_weights.dtype}")
+            if per_sample_weights.device != device:
+                return f"per_sample_weights are on {per_sample_weights.device} but the table is on {device}"
         return None
 
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,

@@ -53,13 +53,15 @@ class RowLayout:
         world_size: number of owners ``N``.
         rank: this rank.
         scheme: ``"hash"`` (balanced under Zipf skew) or ``"range"`` (contiguous blocks).
-        device: where the ownership list (hash) lives.
+        device: where the ownership map (hash) lives and where
+            :meth:`owned_ids` returns its ids; :meth:`slots` and :meth:`owns`
+            accept ids on any device and answer on the ids' device.
 
     Raises:
         ValueError: a bad size, rank or scheme.
     """
 
-    __slots__ = ("num_embeddings", "world_size", "rank", "scheme", "range_size", "num_local", "_owned",
+    __slots__ = ("num_embeddings", "world_size", "rank", "scheme", "range_size", "num_local", "device", "_owned",
                  "_start", "_bits", "_before")
 
     def __init__(self, num_embeddings: int, world_size: int, rank: int, scheme: str = "hash",
@@ -78,7 +80,8 @@ class RowLayout:
         self._bits: Optional[torch.Tensor] = None
         self._before: Optional[torch.Tensor] = None
         self._start = 0
-        device = device or torch.device("cpu")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = device
         if self.scheme == "range":
             self._start = min(num_embeddings, rank * self.range_size)
             self.num_local = min(num_embeddings, self._start + self.range_size) - self._start
@@ -128,18 +131,40 @@ class RowLayout:
                                   range_size=self.range_size)
 
     def slots(self, ids: torch.Tensor) -> torch.Tensor:
-        """Local slots (int64) of ids this rank owns; the ids must be owned here."""
+        """Local slots (int64, on ``ids``' device) of ids this rank owns; the ids must be owned here.
+
+        Check foreign ids with :meth:`owns` first: an id owned elsewhere gets
+        some other row's slot.
+        """
+        where = ids.device
+        ids = ids.to(device=self.device, dtype=torch.int64)
         if self._bits is not None:
-            ids = ids.to(torch.int64)
             word = ids >> 6
             below = torch.bitwise_left_shift(torch.ones_like(ids), ids & 63) - 1
-            return self._before[word].to(torch.int64) + _popcount(self._bits[word] & below)
-        if self._owned is None:
-            return ids.to(torch.int64) - self._start
-        return torch.searchsorted(self._owned, ids.to(self._owned.dtype)).to(torch.int64)
+            out = self._before[word].to(torch.int64) + _popcount(self._bits[word] & below)
+        elif self._owned is None:
+            out = ids - self._start
+        else:
+            out = torch.searchsorted(self._owned, ids.to(self._owned.dtype)).to(torch.int64)
+        return out.to(where)
+
+    def owns(self, ids: torch.Tensor) -> torch.Tensor:
+        """Whether this rank owns each id (bool, on ``ids``' device); ids outside ``[0, V)`` are not owned."""
+        where = ids.device
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        inside = (ids >= 0) & (ids < self.num_embeddings)
+        if self._owned is None and self._bits is None:
+            return ((ids >= self._start) & (ids < self._start + self.num_local)).to(where)
+        safe = torch.where(inside, ids, torch.zeros_like(ids))  # index the map only with ids inside the table
+        if self._bits is not None:
+            hit = ((self._bits[safe >> 6] >> (safe & 63)) & 1).bool()
+        else:
+            pos = torch.searchsorted(self._owned, safe.to(self._owned.dtype)).clamp_(max=max(self.num_local - 1, 0))
+            hit = self._owned[pos].to(torch.int64) == safe if self.num_local else torch.zeros_like(inside)
+        return (inside & hit).to(where)
 
     def owned_ids(self) -> torch.Tensor:
-        """The ids this rank owns, in slot order (int64)."""
+        """The ids this rank owns, in slot order (int64, on the layout's device)."""
         if self._bits is not None:
             parts = []
             shifts = torch.arange(64, device=self._bits.device)
@@ -148,9 +173,9 @@ class RowLayout:
                 block = self._bits[w0:w0 + step]
                 set_bits = ((block[:, None] >> shifts) & 1).bool().view(-1)
                 parts.append(set_bits.nonzero().view(-1) + w0 * 64)
-            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=self.device)
         if self._owned is None:
-            return torch.arange(self._start, self._start + self.num_local, dtype=torch.int64)
+            return torch.arange(self._start, self._start + self.num_local, dtype=torch.int64, device=self.device)
         return self._owned.to(torch.int64)
 
     # --------------------------------------------------------------- describe

@@ -1,0 +1,226 @@
+"""Sharded tables when one rank goes wrong: every rank must raise ValueError, none may hang or crash.
+
+One spawn of 3 gloo ranks runs every case. A "malicious" rank corrupts what
+it sends (its metadata row: counts and owned rows; or the ids of the request)
+by wrapping the all-to-all inside its own process only, as a bug or a version
+mismatch on one rank would. Collectives time out after a few seconds, so a
+rank left waiting fails with a timeout instead of the expected ValueError.
+After each refused lookup the table must still work on every rank.
+
+Also here: one rank's bad bag input (per_sample_weights dtype/device,
+offsets), and checkpoint loading that splits the checksums among the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+import sparsecomm.sharded as sh
+from sparsecomm import ops
+from sparsecomm.collectives import sharded_exchange
+from sparsecomm.sharded import checkpoint as ckpt
+
+from distributed import run_ranks
+
+WORLD = 3
+BAD = 2            # the rank that corrupts what it sends
+V, D = 30, 4
+META_STATUS, META_NUM_LOCAL, META_COUNTS = 0, 2, 7  # columns of a metadata row (fingerprint: 3..6)
+
+
+class Corrupt:
+    """Wrap ``sharded_exchange.all_to_all_rows`` in this process: call ``call`` gets ``edit(tensor, send_counts)``."""
+
+    def __init__(self, call: int, edit) -> None:
+        self.call, self.edit, self.seen = call, edit, 0
+
+    def __enter__(self):
+        self.real = sharded_exchange.all_to_all_rows
+
+        def wrapper(tensors, send_counts, recv_counts, *args, **kwargs):
+            if self.seen == self.call:
+                tensors = [self.edit(tensors[0].clone(), send_counts)] + list(tensors[1:])
+            self.seen += 1
+            return self.real(tensors, send_counts, recv_counts, *args, **kwargs)
+
+        sharded_exchange.all_to_all_rows = wrapper
+        return self
+
+    def __exit__(self, *exc):
+        sharded_exchange.all_to_all_rows = self.real
+
+
+def set_column(col, value):
+    def edit(meta, _):
+        meta[:, col] = value
+        return meta
+    return edit
+
+
+def foreign_ids(wrong):
+    """Replace the ids meant for owner j by ids owned by another rank (or by ``wrong(j)``)."""
+    owners = ops.row_owners(torch.arange(V), WORLD, "hash", V)
+
+    def edit(ids, send_counts):
+        offset = 0
+        for j, c in enumerate(send_counts):
+            ids[offset:offset + c] = wrong(j, owners)
+            offset += c
+        return ids
+    return edit
+
+
+def expect_value_error(fn, match):
+    try:
+        fn()
+    except ValueError as e:
+        assert match in str(e), f"expected {match!r} in {e}"
+        return str(e)
+    raise AssertionError(f"no ValueError (expected {match!r})")
+
+
+def case_malicious_peer(rank, world):
+    emb = sh.ShardedEmbedding(V, D, seed=3, dtype=torch.float64)
+    opt = sh.ShardedSGD(emb, lr=0.5)
+    full = emb.full_weight()
+    # The bad rank asks every owner for all of its rows; the others for a few.
+    ids = torch.arange(V) if rank == BAD else torch.tensor([1, 2, 29])
+    refused = 0
+
+    def still_works():
+        out = emb(ids)
+        assert torch.equal(out, full[ids])
+        opt.zero_grad()
+        out.sum().backward()
+        opt.step()
+        full.copy_(emb.full_weight())
+
+    cases = [
+        # (call to corrupt, edit, message on every rank): 0 = metadata, 1 = the ids
+        (0, set_column(META_COUNTS + 0, -5), f"rank {BAD} announced -5 ids to look up on rank 0"),
+        (0, set_column(META_COUNTS + 1, 10**12), f"rank {BAD} announced {10**12} ids to look up on rank 1"),
+        # Within the table's rows, but more than the owner has: still impossible for unique ids.
+        (0, set_column(META_COUNTS + 0, V), f"rank {BAD} announced {V} ids to look up on rank 0"),
+        (0, set_column(META_NUM_LOCAL, V), "do not add up"),
+        (0, set_column(META_NUM_LOCAL, -1), f"rank {BAD} announced -1 owned rows"),
+    ]
+    for call, edit, match in cases:
+        if rank == BAD:
+            with Corrupt(call, edit):
+                expect_value_error(lambda: emb(ids), match)
+        else:
+            expect_value_error(lambda: emb(ids), match)
+        refused += 1
+        still_works()
+    # Ids with consistent counts but not the owner's: out of the table, or another rank's rows.
+    for wrong, owner_match in ((lambda j, owners: -1, "for id -1, outside [0, 30)"),
+                               (lambda j, owners: V + 1, f"for id {V + 1}, outside [0, 30)"),
+                               (lambda j, owners: int((owners != j).nonzero()[0]), "owned by another rank")):
+        # Every owner (the bad rank too) was sent bad ids: each names the sender and the id; all raise.
+        with Corrupt(1, foreign_ids(wrong)) if rank == BAD else nullcontext():
+            msg = expect_value_error(lambda: emb(ids), f"rank {BAD} asked rank {rank} for id")
+        assert owner_match in msg, msg
+        refused += 1
+        still_works()
+    return refused
+
+
+def case_bag_input_on_one_rank(rank, world):
+    bag = sh.ShardedEmbeddingBag(V, D, mode="sum", seed=4, dtype=torch.float64)
+    ids = torch.tensor([[1, 2], [3, 29]])
+    good_psw = torch.rand(2, 2, dtype=torch.float64)
+    bad_inputs = [
+        (dict(per_sample_weights=good_psw.float()), "per_sample_weights must have the table's dtype"),
+        (dict(per_sample_weights=good_psw.to("meta")), "per_sample_weights are on meta"),
+    ]
+    for kwargs, match in bad_inputs:
+        mine = kwargs if rank == 1 else dict(per_sample_weights=good_psw)
+        expect_value_error(lambda: bag(ids, **mine), match if rank == 1 else "rank 1 passed an invalid input")
+    flat, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    bad_offsets = offsets.to("meta") if rank == 0 else offsets
+    expect_value_error(lambda: bag(flat, bad_offsets), "offsets are on meta" if rank == 0 else "rank 0 passed")
+    last = sh.ShardedEmbeddingBag(V, D, mode="sum", include_last_offset=True, seed=5)
+    empty = torch.empty(0, dtype=torch.int64) if rank == 2 else torch.tensor([0, 3])
+    expect_value_error(lambda: last(flat, empty), "at least one offset" if rank == 2 else "rank 2 passed")
+    emb = sh.ShardedEmbedding(V, D, seed=6)
+    meta_ids = ids.to("meta") if rank == 0 else ids
+    expect_value_error(lambda: emb(meta_ids), "input is on meta" if rank == 0 else "rank 0 passed")
+    # Still usable, with the right inputs everywhere.
+    out = bag(ids, per_sample_weights=good_psw)
+    assert torch.allclose(out, (bag.full_weight()[ids] * good_psw.unsqueeze(-1)).sum(1))
+
+
+def case_checkpoint_checksums_split(rank, world, root):
+    emb = sh.ShardedEmbedding(V, D, seed=7, dtype=torch.float64)
+    model = torch.nn.Module()
+    model.emb = emb
+    opt = sh.ShardedSGD(model, lr=0.1)
+    emb(torch.tensor([rank, 10 + rank])).sum().backward()
+    opt.step()
+    directory = os.path.join(root, "ck")
+    sh.save(directory, model, opt)
+    hashed = []
+    real = ckpt._sha256
+
+    def counting(path):
+        hashed.append(os.path.basename(path))
+        return real(path)
+
+    ckpt._sha256 = counting
+    try:
+        fresh = torch.nn.Module()
+        fresh.emb = sh.ShardedEmbedding(V, D, seed=8, dtype=torch.float64)
+        fresh_opt = sh.ShardedSGD(fresh, lr=0.1)
+        sh.load(directory, fresh, fresh_opt)
+        assert torch.equal(fresh.emb.local_weight, emb.local_weight)
+        assert fresh_opt.state[fresh.emb.local_weight]["step"] == 1  # SGD's step count is restored too
+        mine = list(hashed)
+        # One corrupted shard: only one rank hashes it, every rank refuses.
+        if rank == 0:
+            victim = os.path.join(directory, ckpt._shard_name(world - 1, world))
+            with open(victim, "r+b") as f:
+                f.seek(os.path.getsize(victim) // 2)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0xFF]))
+        sharded_exchange.barrier(fresh.emb._group)
+        expect_value_error(lambda: sh.load(directory, fresh, fresh_opt), "sha256")
+    finally:
+        ckpt._sha256 = real
+    return mine
+
+
+def _worker(rank, world, root):
+    out = {}
+    for name, fn, args in (("malicious_peer", case_malicious_peer, ()),
+                           ("bag_input", case_bag_input_on_one_rank, ()),
+                           ("checksums", case_checkpoint_checksums_split, (root,))):
+        try:
+            out[name] = fn(rank, world, *args)
+        except BaseException as exc:
+            raise AssertionError(f"case {name} failed on rank {rank} of {world}") from exc
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    # A short collective timeout: a rank left waiting fails fast (and not with a ValueError).
+    return run_ranks(WORLD, _worker, str(tmp_path_factory.mktemp("peers")), timeout_s=20, join_timeout_s=180)
+
+
+def test_bad_counts_and_ids_from_one_peer_raise_on_every_rank(results):
+    assert all(results[r]["malicious_peer"] == 8 for r in range(WORLD))
+
+
+def test_one_ranks_bad_bag_input_raises_on_every_rank(results):
+    assert all("bag_input" in results[r] for r in range(WORLD))
+
+
+def test_checkpoint_load_hashes_each_file_once_across_ranks(results):
+    hashed = [name for r in range(WORLD) for name in results[r]["checksums"]]
+    expected = sorted([ckpt._shard_name(r, WORLD) for r in range(WORLD)] + [ckpt.DENSE])
+    assert sorted(hashed) == expected
