@@ -114,8 +114,10 @@ VARIANTS = [
     ("densify", {"overrides": {"emb.weight": "densify", "bag_sum.weight": "densify",
                                "bag_mean.weight": "densify"}}, 2e-5),
     ("bf16-compressed", {"compression": "bf16"}, 5e-2),
-    ("overlapped", {"overlap_sparse": True}, 2e-5),  # sparse syncs on the worker thread
+    ("inline", {"overlap_sparse": False}, 2e-5),  # the step's sparse sync on the autograd thread
+    ("dense-allreduce", {"fuse_dense": False, "overrides": {"emb.weight": "torch"}}, 2e-5),
 ]
+DENSE_PATHS = {"dense", "dense-fused"}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -124,10 +126,11 @@ def test_training_matches_ddp_and_single_process(world):
     res = results[0]
     assert len(res) == 3 * len(VARIANTS) - 2
     auto = res[("sgd", "auto")]
-    assert set(auto[2]) >= {"dense"} and any(k in auto[2] for k in ("partitioned", "allgather", "densify"))
+    assert set(auto[2]) & DENSE_PATHS and any(k in auto[2] for k in ("partitioned", "allgather", "densify"))
     assert set(auto[3]) == {"emb.weight", "bag_sum.weight", "bag_mean.weight"}  # the classifier decided
-    assert set(res[("sgd", "allgather")][2]) == {"dense", "allgather"}
-    assert set(res[("sgd", "densify")][2]) == {"dense", "densify"}
+    assert set(res[("sgd", "allgather")][2]) == {"dense-fused", "allgather"}
+    assert set(res[("sgd", "densify")][2]) == {"dense-fused", "densify"}
+    assert set(res[("sgd", "dense-allreduce")][2]) >= {"dense", "torch"}
     # Every rank made the same decisions.
     for r in range(1, world):
         assert {k: v[3] for k, v in results[r].items()} == {k: v[3] for k, v in res.items()}

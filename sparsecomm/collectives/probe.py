@@ -18,8 +18,12 @@ from sparsecomm.collectives.groups import comm_device
 __all__ = ["measure_latency_bytes"]
 
 
+_MAX_BYTES_PER_S = 100e9  # no link here is faster: keeps a noisy timing from pricing latency absurdly
+_LATENCY_BYTES_RANGE = (1 << 10, 1 << 26)
+
+
 def measure_latency_bytes(group: Optional[dist.ProcessGroup], device: torch.device = torch.device("cpu"),
-                          repeats: int = 5, large_bytes: int = 1 << 20) -> float:
+                          repeats: int = 5, large_bytes: int = 4 << 20) -> float:
     """Latency of one tiny all-to-all, in bytes of a large one: the same number on every rank.
 
     Collective: every rank of ``group`` calls it together. Takes the median of
@@ -27,7 +31,8 @@ def measure_latency_bytes(group: Optional[dist.ProcessGroup], device: torch.devi
     rank's numbers (one all-reduce), so every rank prices collectives alike.
 
     Returns:
-        ``latency_s * bytes_per_s``: the bytes one collective's latency is worth.
+        ``latency_s * bytes_per_s``: the bytes one collective's latency is worth,
+        clamped to [1 KiB, 64 MiB].
     """
     n = dist.get_world_size(group)
     if n == 1:
@@ -50,5 +55,6 @@ def measure_latency_bytes(group: Optional[dist.ProcessGroup], device: torch.devi
     numbers = torch.tensor([tiny, large], dtype=torch.float64, device=dev)
     dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
     tiny, large = numbers.tolist()
-    per_byte = max(large - tiny, 1e-12) / (large_bytes * (n - 1) / n)
-    return tiny / per_byte
+    per_byte = max((large - tiny) / (large_bytes * (n - 1) / n), 1.0 / _MAX_BYTES_PER_S)
+    lo, hi = _LATENCY_BYTES_RANGE
+    return min(hi, max(lo, tiny / per_byte))

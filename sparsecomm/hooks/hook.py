@@ -7,10 +7,12 @@ settings and counters live in :class:`~sparsecomm.hooks.state.SparseCommState`.
 DDP gives every sparse parameter a bucket of its own and calls the hook once
 per bucket, in bucket order, on every rank. Instead of one synchronization
 (four collectives) per table, the hook holds the sparse buckets of a step and
-synchronizes them together with :func:`sparse_allreduce_coalesced` once the
-last one has arrived (or at the step's last bucket): four collectives per step
-whatever the number of tables, two when every table takes the allgather path.
-DDP only waits for the futures after the last bucket's hook, so holding them costs nothing.
+synchronizes them together with :func:`sparse_allreduce_coalesced` at the
+step's last bucket: four collectives per step whatever the number of tables,
+two when every table takes the allgather path. Small dense buckets ride in the
+same exchange (see ``SparseCommState.fuse_dense``). DDP only waits for the
+futures after the last bucket's hook; embeddings are the last gradients
+backward produces, so holding them costs (almost) no overlap.
 
 Example::
 
@@ -40,6 +42,7 @@ from sparsecomm.types import SparseSyncStats, SyncMethod
 __all__ = ["sparsecomm_hook", "register"]
 
 DENSE = "dense"
+DENSE_FUSED = "dense-fused"
 SPARSE_ROWS = "dense-embedding-rows"
 
 
@@ -69,9 +72,7 @@ def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.fu
     """
     buffer = bucket.buffer()
     fut = _sparse_bucket(state, bucket, buffer) if buffer.is_sparse else _dense_bucket(state, bucket, buffer)
-    sparse_waiting = sum(1 for p in state._pending if p.path != SPARSE_ROWS)
-    if state._pending and (bucket.is_last() or (state.sparse_param_count
-                                                and sparse_waiting >= state.sparse_param_count)):
+    if state._pending and bucket.is_last():
         _flush(state)
     if bucket.is_last():
         # Counters close when all of the step's work has completed.
@@ -153,6 +154,17 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
     start = time.perf_counter()
     group, n = state.process_group, state.world_size
     slices = dense_embedding_slices(state, bucket, buffer)
+    if not slices and state.fuses_dense(buffer):
+        # A small bucket rides in the step's sparse exchange as one row every
+        # rank sends to every rank: no collective of its own.
+        row = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long, device=buffer.device), buffer.view(1, -1),
+                                      (1, buffer.numel()), is_coalesced=True, check_invariants=False)
+        item = _Pending(f"bucket{bucket.index()}", row, SyncMethod.ALLGATHER, DENSE_FUSED, 0,
+                        lambda out: _finish_dense(state, buffer.copy_(out._values().view(-1)), bucket, None, start),
+                        decide=False)
+        state._pending.append(item)
+        state._step_futures.append(item.future)
+        return item.future
     if not slices:
         fut = allreduce_mean_async(buffer, group, state.compression)
         wire = COMPRESSION_DTYPES[state.compression]
@@ -192,7 +204,7 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
     return torch.futures.collect_all(futs).then(combine)
 
 
-def _finish_dense(state: SparseCommState, result: torch.Tensor, bucket: dist.GradBucket, nbytes: int,
+def _finish_dense(state: SparseCommState, result: torch.Tensor, bucket: dist.GradBucket, nbytes: Optional[int],
                   start: float) -> torch.Tensor:
     if state.nonfinite == "raise" and not all_finite(result):
         # Checked on the reduced bucket, which is the same on every rank: all ranks raise together.
@@ -200,7 +212,8 @@ def _finish_dense(state: SparseCommState, result: torch.Tensor, bucket: dist.Gra
         raise ValueError(f"sparsecomm: NaN/Inf in the averaged gradients of {names} (some rank produced a "
                          f"non-finite gradient). Use nonfinite='propagate' (the default) to let them through "
                          f"(e.g. with AMP's GradScaler).")
-    state.record(DENSE, nbytes, nbytes, time.perf_counter() - start)
+    if nbytes is not None:  # a fused bucket is counted with the step's sparse sync
+        state.record(DENSE, nbytes, nbytes, time.perf_counter() - start)
     return result
 
 

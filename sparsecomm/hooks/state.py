@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sparsecomm.collectives.dense import COMPRESSION_DTYPES
+from sparsecomm.collectives.dense import COMPRESSION_DTYPES, ring_allreduce_bytes
 from sparsecomm.collectives.groups import env_local_world_size, node_groups, twin_group
 from sparsecomm.collectives.probe import measure_latency_bytes
 from sparsecomm.hooks.classifier import Decision, choose_method
@@ -23,6 +23,8 @@ __all__ = ["SparseCommState", "PathStats"]
 logger = logging.getLogger("sparsecomm")
 
 _OVERRIDES = {"auto", *(m.value for m in SyncMethod)}
+_FUSABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_MAX_FUSED_DENSE_BYTES = 4 << 20  # above this, a ring allreduce's bytes win whatever the latency
 
 
 @dataclass
@@ -86,6 +88,11 @@ class SparseCommState:
             1 MiB all-to-all on the hook's group, about 10-50 ms).
         reclassify_every: re-decide auto paths every this many steps (0: decide once).
         history: how many past steps of per-path counters to keep.
+        fuse_dense: let small dense buckets ride in the step's sparse
+            exchange (every rank sends its bucket to every rank, which sums
+            them in rank order) instead of an allreduce of their own, where
+            the cost model says a collective's latency is worth more than
+            the extra bytes (default True; never with ``compression``).
         overlap_sparse: run the step's sparse synchronization on the hook
             group's worker thread (default), overlapping the rest of backward
             and the dense allreduces; False runs it on the autograd thread.
@@ -98,7 +105,7 @@ class SparseCommState:
     __slots__ = (
         # tunable settings
         "process_group", "compression", "overrides", "sparse_dense_embeddings", "scheme", "local_world_size",
-        "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every", "overlap_sparse",
+        "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every", "overlap_sparse", "fuse_dense",
         # internal state
         "world_size", "_sparse_group", "param_names", "dense_embedding_names", "sparse_param_count", "decisions",
         "iteration", "_decided_at", "_calls", "_suggested", "_pending", "_step_futures", "_empty_sparse", "_clear_empty",
@@ -112,7 +119,7 @@ class SparseCommState:
                  sparse_dense_embeddings: bool = False, scheme: str = "hash",
                  local_world_size: Optional[int] = None, local_aggregation: bool = True,
                  nonfinite: str = "propagate", latency_bytes: Optional[float] = None, reclassify_every: int = 0,
-                 history: int = 100, overlap_sparse: bool = True) -> None:
+                 history: int = 100, overlap_sparse: bool = True, fuse_dense: bool = True) -> None:
         if compression not in COMPRESSION_DTYPES:
             raise ValueError(f"compression must be 'fp16', 'bf16' or None, got {compression!r}")
         overrides = dict(overrides or {})
@@ -136,6 +143,7 @@ class SparseCommState:
         self.nonfinite = nonfinite
         self.reclassify_every = reclassify_every
         self.overlap_sparse = overlap_sparse
+        self.fuse_dense = fuse_dense
 
         self.world_size = dist.get_world_size(process_group)
         if local_world_size is None and (process_group is None or process_group is dist.GroupMember.WORLD):
@@ -248,6 +256,14 @@ class SparseCommState:
         self._decided_at[name] = call
         if previous is None or previous.method != decision.method:
             logger.info("sparsecomm: %s -> %s path: %s", name, decision.method.value, decision.reason)
+
+    def fuses_dense(self, buffer: torch.Tensor) -> bool:
+        """Should this dense bucket ride in the step's sparse exchange? (Same answer on every rank.)"""
+        if not self.fuse_dense or self.compression is not None or buffer.dtype not in _FUSABLE:
+            return False
+        n, nbytes = self.world_size, buffer.numel() * buffer.element_size()
+        extra = (n - 1) * nbytes - ring_allreduce_bytes(buffer.numel(), buffer.element_size(), n)
+        return nbytes <= _MAX_FUSED_DENSE_BYTES and extra <= self.latency_bytes
 
     def next_call(self, name: str) -> int:
         call = self._calls[name] = self._calls.get(name, 0) + 1
