@@ -107,6 +107,19 @@ def _equivalence_worker(rank, world, lws):
             assert torch.equal(ref.indices(), out.indices())
             assert torch.allclose(ref.values(), out.values(), rtol=1e-5, atol=1e-6)
         digests.append(hashlib.sha256(out.values().double().numpy().tobytes() + out.indices().numpy().tobytes()).hexdigest())
+    # Every case again, fused: one call per (op, scheme) carrying all its tensors,
+    # whatever their shapes, dtypes and methods (plus gloo's own path for float32/64).
+    groups = {}
+    for i, case in enumerate(CASES):
+        groups.setdefault((case["op"], case["scheme"]), []).append((i, case["method"]))
+        if case["dtype"] in (torch.float32, torch.float64) and case["rows"] <= 50_000 and case["scheme"] == "hash":
+            groups[(case["op"], case["scheme"])].append((i, "torch"))
+    for (op, scheme), members in groups.items():
+        tensors = [make_input(CASES[i], rank, world) for i, _ in members]
+        outs = sparsecomm.sparse_allreduce_coalesced(tensors, op=op, scheme=scheme, local_world_size=lws,
+                                                     method=[m for _, m in members])
+        for (i, method), out in zip(members, outs):
+            _check_result(CASES[i], out, world)
     return digests
 
 
@@ -234,6 +247,77 @@ def test_bad_input_raises_on_every_rank(world):
     results = run_ranks(world, _errors_worker)
     for seen in results.values():
         assert len(seen) == 6 and seen[-1] == "TypeError" and "inner index" in seen
+
+
+def _malicious_worker(rank, world, attack):
+    """Rank 1 corrupts what it tells its peers; every rank must raise ValueError, nothing crashes."""
+    import sparsecomm.collectives.sparse as sparse_mod
+
+    t = torch.sparse_coo_tensor(torch.arange(12)[None] * (rank + 1), torch.ones(12, 4), (100, 4))
+    if rank == 1:
+        real = dist.all_to_all_single
+        calls = [0]
+
+        def lying_all_to_all(output, input, *args, **kwargs):
+            calls[0] += 1
+            if attack == "negative-count" and calls[0] == 1:
+                # Metadata: the push count for owner 0 becomes negative, the total unchanged.
+                input.view(world, -1)[:, sparse_mod._COUNTS_SLOT] -= 1000
+                input.view(world, -1)[:, sparse_mod._COUNTS_SLOT + 1] += 1000
+            if attack == "huge-k" and calls[0] == 1:
+                input.view(world, -1)[:, sparse_mod._K_SLOT] = 2**40
+            if attack == "pull-count" and calls[0] == 3:
+                input.fill_(10**9)  # an owner announces more rows than were pushed to it
+            return real(output, input, *args, **kwargs)
+
+        dist.all_to_all_single = lying_all_to_all
+    if rank == 1 and attack == "bad-ids":
+        real_partition = sparse_mod.ops.partition_rows
+
+        def lying_partition(ids, *args, **kwargs):
+            part = real_partition(ids, *args, **kwargs)
+            return part._replace(ids=part.ids - 1000)  # ids the owners must refuse
+
+        sparse_mod.ops.partition_rows = lying_partition
+    try:
+        sparsecomm.sparse_allreduce(t, method="partitioned")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("attack,match", [("negative-count", "inconsistent row counts"),
+                                          ("huge-k", "inconsistent row counts"),
+                                          ("pull-count", "announced"),
+                                          ("bad-ids", "received row ids outside")])
+def test_a_lying_peer_makes_every_rank_raise(attack, match):
+    results = run_ranks(3, _malicious_worker, attack, timeout_s=20)
+    for rank, message in results.items():
+        assert match in message, (rank, message)
+
+
+def _timeout_worker(rank, world):
+    from sparsecomm.collectives.groups import group_timeout, twin_group
+
+    twin = twin_group(None)  # created together (collective)
+    assert group_timeout(twin) == group_timeout(None)
+    if rank == 1:
+        time.sleep(12)  # a stalled peer: never joins the async call
+        return ("stalled", 0.0)
+    t = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 4), (10, 4))
+    start = time.monotonic()
+    try:
+        sparsecomm.sparse_allreduce(t, async_op=True).wait()
+    except RuntimeError:
+        return ("raised", time.monotonic() - start)
+    return ("returned", time.monotonic() - start)
+
+
+def test_groups_the_library_creates_keep_the_users_timeout():
+    # The default group's timeout is 3 s: the twin the async call runs on must fail as soon, not in 30 min.
+    results = run_ranks(2, _timeout_worker, timeout_s=3, expect_dead=True, join_timeout_s=60)
+    status, elapsed = results[0]
+    assert status == "raised" and elapsed < 10, (status, elapsed)
 
 
 def _dead_rank_worker(rank, world):
