@@ -164,13 +164,14 @@ def save(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
     payload: Dict[str, Any] = {"format": FORMAT, "rank": rank, "world_size": world_size, "tables": {}}
     summary: Dict[str, Any] = {}
     for name, t in tables:
-        entry: Dict[str, Any] = {"layout": t.layout.describe(), "ids": t.layout.owned_ids(),
-                                 "weight": t.local_weight.detach(), "optimizer": None}
+        # CPU copies: a checkpoint loads on any machine, and load() maps it to the CPU anyway.
+        entry: Dict[str, Any] = {"layout": t.layout.describe(), "ids": t.layout.owned_ids().cpu(),
+                                 "weight": t.local_weight.detach().cpu(), "optimizer": None}
         p = by_table.get(name)
         if p is not None:
             state = optimizer.state[p]
             entry["optimizer"] = {"kind": type(optimizer).__name__, "step": int(state["step"]),
-                                  "rows": {k: state[k] for k in optimizer.row_state_names}}
+                                  "rows": {k: state[k].cpu() for k in optimizer.row_state_names}}
         payload["tables"][name] = entry
         summary[name] = {"rows": t.layout.num_local,
                          "row_state": {k: list(v.shape[1:]) for k, v in

@@ -191,15 +191,14 @@ class _ShardedTable(nn.Module):
     def _check_input(self, ids: Any) -> Tuple[torch.Tensor, Tuple[int, int, str]]:
         # Never raises: a bad input must still reach the collective, which raises on every rank.
         name = type(self).__name__
+        device = self.local_weight.device
+        none = torch.empty(0, dtype=torch.int64, device=device)
         if not isinstance(ids, torch.Tensor):
-            return torch.empty(0, dtype=torch.int64), (STATUS_BAD_INPUT, 0,
-                                                       f"{name}: input must be a tensor, got {type(ids).__name__}")
+            return none, (STATUS_BAD_INPUT, 0, f"{name}: input must be a tensor, got {type(ids).__name__}")
         if ids.dtype not in (torch.int32, torch.int64):
-            return torch.empty(0, dtype=torch.int64), (STATUS_BAD_INPUT, 0,
-                                                       f"{name}: input must be int32 or int64, got {ids.dtype}")
-        if ids.device != self.local_weight.device:
-            return torch.empty(0, dtype=torch.int64), (
-                STATUS_BAD_INPUT, 0, f"{name}: input is on {ids.device} but the table is on {self.local_weight.device}")
+            return none, (STATUS_BAD_INPUT, 0, f"{name}: input must be int32 or int64, got {ids.dtype}")
+        if ids.device != device:
+            return none, (STATUS_BAD_INPUT, 0, f"{name}: input is on {ids.device} but the table is on {device}")
         flat = ids.reshape(-1)
         if flat.numel():
             lo, hi = torch.aminmax(flat)
