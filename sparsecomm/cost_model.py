@@ -1,4 +1,4 @@
-"""Bytes each synchronization scheme moves per rank (shared/DESIGN.md), for benchmarks and the classifier.
+"""Bytes each synchronization scheme moves per rank (docs/DESIGN.md), for benchmarks and the classifier.
 
 Pure arithmetic: no communication, no tensors.
 """

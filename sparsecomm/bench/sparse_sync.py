@@ -28,7 +28,7 @@ ring all-gather of 9 int64 of metadata per rank, ring all-gatherv of every
 rank's int64 indices and of its values: a rank receives every other rank's
 chunk and sends all chunks but its successor's); (c) ring all-gathers of 8
 bytes of count and of max-nnz padded int64 ids and values, padding included;
-(d) measured by ``SparseSyncStats``. ``floor`` is shared/DESIGN.md's
+(d) measured by ``SparseSyncStats``. ``floor`` is docs/DESIGN.md's
 (n-1)/n (k + U) r per direction (``sparsecomm.cost_model``), doubled for sent
 + received, with r = d b + the id's bytes on the wire, k this rank's distinct
 rows and U the union. ``inter_MB`` is what crosses between emulated nodes.

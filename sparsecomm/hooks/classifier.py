@@ -1,4 +1,4 @@
-"""Which path should a sparse gradient take? A byte-based cost model (shared/DESIGN.md).
+"""Which path should a sparse gradient take? A byte-based cost model (docs/DESIGN.md).
 
 Pure arithmetic over numbers every rank agrees on (the world size, the table,
 the global row counts of the last exchange), so every rank reaches the same
