@@ -21,7 +21,7 @@ import torch
 
 import sparsecomm.sharded as sh
 from sparsecomm import ops
-from sparsecomm.collectives import sharded_exchange
+from sparsecomm.collectives import groups, sharded_exchange
 from sparsecomm.sharded import checkpoint as ckpt
 
 from distributed import run_ranks
@@ -129,6 +129,26 @@ def case_malicious_peer(rank, world):
     return refused
 
 
+def case_full_table_from_bad_shards(rank, world):
+    """``full_weight`` assembles the table from every rank's shard: a bad shard is refused everywhere."""
+    emb = sh.ShardedEmbedding(V, D, seed=9)
+    # The table's group is the library's one twin of the default group for sharded tables.
+    assert emb._group is groups.twin_group(None, "sharded") is sharded_exchange.sharded_group(None)
+    good = emb.full_weight()
+    real = sharded_exchange.allgather_rows
+    edits = [(lambda ids, values: (torch.cat([ids[:-1], ids.new_tensor([-1])]), values), "exactly once"),
+             (lambda ids, values: (torch.cat([ids, ids[:1]]), torch.cat([values, values[:1]])), "exactly once"),
+             (lambda ids, values: (ids[:1].repeat(V + 1), values[:1].repeat(V + 1, 1)), f"outside [0, {V}]")]
+    for edit, match in edits:
+        if rank == BAD:
+            sharded_exchange.allgather_rows = lambda ids, values, *a, **k: real(*edit(ids, values), *a, **k)
+        try:
+            expect_value_error(emb.full_weight, match)
+        finally:
+            sharded_exchange.allgather_rows = real
+    assert torch.equal(emb.full_weight(), good)
+
+
 def case_bag_input_on_one_rank(rank, world):
     bag = sh.ShardedEmbeddingBag(V, D, mode="sum", seed=4, dtype=torch.float64)
     ids = torch.tensor([[1, 2], [3, 29]])
@@ -197,6 +217,7 @@ def case_checkpoint_checksums_split(rank, world, root):
 def _worker(rank, world, root):
     out = {}
     for name, fn, args in (("malicious_peer", case_malicious_peer, ()),
+                           ("full_table", case_full_table_from_bad_shards, ()),
                            ("bag_input", case_bag_input_on_one_rank, ()),
                            ("checksums", case_checkpoint_checksums_split, (root,))):
         try:
@@ -214,6 +235,14 @@ def results(tmp_path_factory):
 
 def test_bad_counts_and_ids_from_one_peer_raise_on_every_rank(results):
     assert all(results[r]["malicious_peer"] == 8 for r in range(WORLD))
+
+
+def test_a_bad_shard_in_the_full_table_raises_on_every_rank(results):
+    assert all("full_table" in results[r] for r in range(WORLD))
+
+
+def test_no_group_for_a_world_of_one():
+    assert sharded_exchange.sharded_group(None) is None  # no process group here: a world of one
 
 
 def test_one_ranks_bad_bag_input_raises_on_every_rank(results):

@@ -265,13 +265,25 @@ def exchange_rows(rows: torch.Tensor, send_counts: List[int], recv_counts: List[
 
 def allgather_table_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int,
                          group: Optional[dist.ProcessGroup]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Give every rank every rank's ``(ids, rows)``: assembles a full table from its shards."""
+    """Give every rank every rank's ``(ids, rows)``: assembles a full table from its shards.
+
+    Raises:
+        ValueError: on every rank (all receive the same counts and ids), when
+            a rank announces more rows than the table has, or the shards do
+            not hold every id of ``[0, num_rows)`` exactly once.
+    """
     if group is None:
         return ids, values
     dev = comm_device(group, values.device)
     out_ids, out_values = allgather_rows(ids, values.contiguous(), group, wire_ids=wire_index_dtype(num_rows),
-                                         device=dev)
-    return out_ids.to(torch.int64), out_values
+                                         device=dev, max_rows=num_rows)
+    out_ids = out_ids.to(torch.int64)
+    # Checked before the ids index anything: a negative id would silently wrap around.
+    if out_ids.numel() != num_rows or (out_ids.numel() and (int(out_ids.min()) < 0 or int(out_ids.max()) >= num_rows)) \
+            or not bool((torch.bincount(out_ids, minlength=num_rows) == 1).all()):
+        raise ValueError(f"sparsecomm sharded table: the ranks' shards do not hold every id of [0, {num_rows}) "
+                         f"exactly once: a bug or a version mismatch between ranks")
+    return out_ids, out_values
 
 
 def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
