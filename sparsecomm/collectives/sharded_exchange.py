@@ -71,13 +71,12 @@ def sharded_group(group: Optional[dist.ProcessGroup] = None) -> Optional[dist.Pr
 
 
 class _Meta(NamedTuple):
-    """One rank's metadata row, as every rank received it."""
+    """One rank's metadata row, as every rank received it (its counts stay in a tensor)."""
 
     status: int
     detail: int
     num_local: int                 # rows the rank says it owns
     fingerprint: Tuple[int, ...]
-    counts: Tuple[int, ...]        # ids it asks of each rank
 
 
 def _describe_status(rank: int, status: int, detail: int, num_rows: int) -> str:
@@ -86,13 +85,14 @@ def _describe_status(rank: int, status: int, detail: int, num_rows: int) -> str:
     return f"rank {rank} passed an invalid input"
 
 
-def _meta_problem(rows: List[_Meta], me: int, fp: Tuple[int, ...], num_rows: int) -> Optional[str]:
+def _meta_problem(rows: List[_Meta], counts: torch.Tensor, me: int, fp: Tuple[int, ...], num_rows: int
+                  ) -> Optional[str]:
     """The first problem in every rank's metadata, or None; the same answer on every rank but ``me``'s wording.
 
-    Every rank holds the same rows, so every rank reaches the same verdict:
-    all raise, or none does. Counts are checked before anything is sized
-    from them: a peer never asks for more ids of an owner than the owner
-    has rows (the ids it sends are unique).
+    ``counts[r, j]``: the ids rank r says it asks of rank j. Every rank holds
+    the same rows, so every rank reaches the same verdict: all raise, or none
+    does. Counts are checked before anything is sized from them: a peer never
+    asks an owner for more ids than the owner has rows (the ids it sends are unique).
     """
     for r, m in enumerate(rows):
         if m.status != STATUS_OK:
@@ -101,19 +101,18 @@ def _meta_problem(rows: List[_Meta], me: int, fp: Tuple[int, ...], num_rows: int
         if m.fingerprint != fp:
             return (f"rank {me} is looking up table {fp} (num_embeddings, embedding_dim, table id, kind) but "
                     f"rank {r} is looking up {m.fingerprint}: ranks must call the same tables in the same order")
-    n = len(rows)
-    for r, m in enumerate(rows):
-        if not 0 <= m.num_local <= num_rows or len(m.counts) != n:
-            return (f"rank {r} announced {m.num_local} owned rows and {len(m.counts)} counts for a table of "
-                    f"{num_rows} rows on {n} ranks: a bug or a version mismatch between ranks")
-    if sum(m.num_local for m in rows) != num_rows:
-        return (f"the ranks announce {[m.num_local for m in rows]} owned rows, which do not add up to the "
-                f"table's {num_rows}: a bug or a version mismatch between ranks")
-    for r, m in enumerate(rows):
-        for j, c in enumerate(m.counts):
-            if not 0 <= c <= rows[j].num_local:
-                return (f"rank {r} announced {c} ids to look up on rank {j}, outside [0, {rows[j].num_local}] "
-                        f"(rank {j}'s rows): a bug or a version mismatch between ranks")
+    owned = [m.num_local for m in rows]
+    for r, c in enumerate(owned):
+        if not 0 <= c <= num_rows:
+            return f"rank {r} announced {c} owned rows, outside [0, {num_rows}]: a bug or a version mismatch"
+    if sum(owned) != num_rows:
+        return (f"the ranks announce {owned} owned rows, which do not add up to the table's {num_rows}: "
+                f"a bug or a version mismatch between ranks")
+    bad = (counts < 0) | (counts > torch.tensor(owned).view(1, -1))
+    if bool(bad.any()):
+        r, j = (int(x) for x in bad.nonzero()[0])
+        return (f"rank {r} announced {int(counts[r, j])} ids to look up on rank {j}, outside [0, {owned[j]}] "
+                f"(rank {j}'s rows): a bug or a version mismatch between ranks")
     return None
 
 
@@ -186,13 +185,14 @@ def request_rows(ids_by_owner: torch.Tensor, counts: torch.Tensor, *, status: in
     meta = torch.tensor([row] * n, dtype=torch.int64)
     (recv_meta,) = all_to_all_rows([meta], [1] * n, [1] * n, group, dev, stats)
     k = _META_HEAD + len(fp)
-    rows = [_Meta(r[0], r[1], r[2], tuple(r[_META_HEAD:k]), tuple(r[k:])) for r in recv_meta.tolist()]
+    rows = [_Meta(r[0], r[1], r[2], tuple(r[_META_HEAD:])) for r in recv_meta[:, :k].tolist()]
+    all_counts = recv_meta[:, k:].cpu()
     if status != STATUS_OK:
         raise ValueError(message)  # a rank with a bad input of its own hears about its own
-    problem = _meta_problem(rows, me, fp, num_rows)
+    problem = _meta_problem(rows, all_counts, me, fp, num_rows)
     if problem is not None:
         raise ValueError(f"sparsecomm sharded lookup: {problem}; nothing was exchanged")
-    recv_counts = [m.counts[me] for m in rows]
+    recv_counts = all_counts[:, me].tolist()
     wire = wire_index_dtype(num_rows)
     (requested,) = all_to_all_rows([ids_by_owner.to(wire)], send_counts, recv_counts, group, dev, stats)
     requested = requested.to(device=ids_by_owner.device, dtype=torch.int64)
