@@ -251,7 +251,7 @@ def test_bad_input_raises_on_every_rank(world):
 
 def _malicious_worker(rank, world, attack):
     """Rank 1 corrupts what it tells its peers; every rank must raise ValueError, nothing crashes."""
-    import sparsecomm.collectives.sparse as sparse_mod
+    import sparsecomm.collectives.sync_plan as sparse_mod
 
     t = torch.sparse_coo_tensor(torch.arange(12)[None] * (rank + 1), torch.ones(12, 4), (100, 4))
     if rank == 1:
