@@ -243,3 +243,21 @@ def test_offsets_beyond_32_bits():
     assert torch.equal(table[rows - 2], expected_prev)
     del table
     torch.cuda.empty_cache()
+
+
+def test_scatter_add_contracts_hold_on_the_gpu():
+    # The same contracts as on the CPU (tests/test_ops.py): checked before the dispatch, versioned after.
+    ids, values = torch.tensor([1, 1], device=CUDA), torch.ones(2, 3, device=CUDA)
+    leaf = torch.zeros(4, 3, device=CUDA, requires_grad=True)
+    with pytest.raises(RuntimeError, match="table requires grad"):
+        ops.scatter_add_rows(leaf, ids, values)
+    table = torch.randn(6, 3, device=CUDA)
+    with pytest.raises(ValueError, match="values overlaps table's memory"):
+        ops.scatter_add_rows(table, ids, table[2:4])
+    weight = torch.randn(3, device=CUDA, requires_grad=True)
+    loss = (table * weight).sum()  # saves table
+    ops.scatter_add_rows(table, ids, values)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with pytest.raises(ValueError, match="num_rows must be >= 0"):
+        ops.coalesce_rows(ids, values, num_rows=-1)
