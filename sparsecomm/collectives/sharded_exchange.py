@@ -253,8 +253,9 @@ def exchange_rows(rows: torch.Tensor, send_counts: List[int], recv_counts: List[
                   group: Optional[dist.ProcessGroup], stats: Optional[SparseSyncStats] = None) -> torch.Tensor:
     """Send ``send_counts[j]`` consecutive rows of ``rows`` to rank j; return what arrives, by source rank.
 
-    Used both ways: owners returning looked-up rows, and requesters pushing
-    gradient rows back along the same routes.
+    Requesters push gradient rows back along a lookup's routes with it; both
+    count lists come from that lookup's :func:`request_rows`, so they were
+    validated before anything was sized from them.
     """
     if group is None:
         return rows
