@@ -5,7 +5,8 @@
 #   1. what the machine has (torch, CUDA, GPU, CuPy, nvcc);
 #   2. an offline editable install, only when `import sparsecomm.ops` fails;
 #   3. the nvcc/NVRTC compile checks (tests/test_cuda_compile.py);
-#   4. the GPU-vs-CPU kernel tests (pytest -m gpu tests/test_gpu_kernels.py);
+#   4. the GPU tests: kernels vs CPU, sparse_allreduce / the DDP hook / sharded
+#      tables on CUDA tensors at gloo world 2 and NCCL world 1 (pytest -m gpu);
 #   5. the kernel microbenchmarks on CUDA (benchmarks/bench_kernels.py);
 # then prints a summary table. A failing step is reported, never fatal, so one
 # run shows everything that works and everything that does not.
@@ -99,7 +100,7 @@ fi
 # ---- 3-4. tests ----------------------------------------------------------------
 step compile_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_compile.py
 # Without a GPU or CuPy the module skips itself; -rs prints why.
-step gpu_tests "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu_kernels.py
+step gpu_tests "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu_kernels.py tests/test_gpu_collectives.py
 
 # ---- 5. benchmarks -------------------------------------------------------------
 if [ -f benchmarks/bench_kernels.py ]; then

@@ -24,7 +24,7 @@ def launcher_free_env() -> Dict[str, str]:
 
 
 def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, env: Dict[str, str],
-           results, timeout_s: float, clean_exit: bool) -> None:
+           results, timeout_s: float, clean_exit: bool, backend: str) -> None:
     os.environ.update(env)
     import faulthandler
 
@@ -32,7 +32,9 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
     import torch
 
     torch.set_num_threads(1)  # N ranks share 2 cores
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         out = fn(rank, world_size, *args)
@@ -48,11 +50,12 @@ def _entry(rank: int, world_size: int, store_path: str, fn: Callable, args: tupl
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, env: Optional[Dict[str, str]] = None,
               timeout_s: float = COLLECTIVE_TIMEOUT_S, join_timeout_s: float = 240,
-              expect_dead: bool = False) -> Dict[int, Any]:
+              expect_dead: bool = False, backend: str = "gloo") -> Dict[int, Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     ``expect_dead``: some rank is meant to die; skip the closing barrier and
-    return what the survivors reported.
+    return what the survivors reported. ``backend``: "gloo" (default) or
+    "nccl" (rank r uses GPU r mod the device count).
 
     Returns:
         ``{rank: return value}`` (return values must be picklable).
@@ -64,7 +67,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, env: Optional[Dict[str,
     with tempfile.TemporaryDirectory() as tmp, ctx.Manager() as manager:
         results = manager.dict()
         procs = [ctx.Process(target=_entry, args=(r, world_size, os.path.join(tmp, "store"), fn, args,
-                                                  env or {}, results, timeout_s, not expect_dead), daemon=True)
+                                                  env or {}, results, timeout_s, not expect_dead, backend), daemon=True)
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -1,6 +1,6 @@
 """Exchanges of the sharded (parameter-server) embedding: request rows, return rows, push gradients.
 
-One lookup on N ranks (shared/DESIGN.md, "Sharded mode"):
+One lookup on N ranks (docs/DESIGN.md, "Sharded mode"):
 
 1. :func:`request_rows`: every rank sends each owner the ids it needs from it.
    A small all-to-all of metadata goes first: each rank sends every peer the

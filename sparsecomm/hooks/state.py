@@ -85,7 +85,7 @@ class SparseCommState:
             synchronization per bucket).
         latency_bytes: the classifier's price of one collective, in bytes;
             None (default) measures it at construction (a few tiny and one
-            1 MiB all-to-all on the hook's group, about 10-50 ms).
+            4 MiB all-to-all on the hook's group, about 10-50 ms).
         reclassify_every: re-decide auto paths every this many steps (0: decide once).
         history: how many past steps of per-path counters to keep.
         fuse_dense: let small dense buckets ride in the step's sparse

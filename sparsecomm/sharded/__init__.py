@@ -2,7 +2,7 @@
 
 Each rank stores only the rows it owns (~V/N) and their optimizer state;
 lookups pull rows from their owners and backward pushes the gradients back
-(shared/DESIGN.md, "Sharded mode"). See :class:`ShardedEmbedding`.
+(docs/DESIGN.md, "Sharded mode"). See :class:`ShardedEmbedding`.
 """
 
 from sparsecomm.sharded.checkpoint import CheckpointError, export_full, load, save, verify
