@@ -59,6 +59,7 @@ class Model(nn.Module):
 
 def make_optimizers(model: nn.Module, kind: str) -> List[torch.optim.Optimizer]:
     """The same rule on every replica (like with like)."""
+    model = model.module if isinstance(model, DDP) else model
     tables = [p for n, p in model.named_parameters() if n.startswith("embs")]
     dense = [p for n, p in model.named_parameters() if not n.startswith("embs")]
     if kind == "adam":
@@ -104,6 +105,8 @@ def run_config(a: argparse.Namespace, rank: int, world: int, optimizer: str, bat
         worst = max(worst, diff)
         wrong += int(not diff <= a.tolerance * max(1.0, float(p1.detach().abs().max())))
     paths = {k: d.method.value for k, d in runs["sparsecomm"]["state"].decisions.items()}
+    if os.environ.get("SPARSECOMM_BENCH_DEBUG") and rank == 0:
+        print(runs["sparsecomm"]["state"].stats, flush=True)
     return dict(medians=medians, wrong=wrong, worst=worst, paths=paths)
 
 

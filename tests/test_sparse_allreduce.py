@@ -249,6 +249,31 @@ def test_bad_input_raises_on_every_rank(world):
         assert len(seen) == 6 and seen[-1] == "TypeError" and "inner index" in seen
 
 
+def _capacity_worker(rank, world):
+    # Allgather tensors with capacities that fit, and one that rank 0 overflows: same results as without.
+    cases = [c for c in CASES if c["method"] == "allgather" and c["op"] == "avg"][:4]
+    tensors = [make_input(c, rank, world) for c in cases]
+    plain = sparsecomm.sparse_allreduce_coalesced(tensors, op="avg", method="allgather")
+    k = [t.coalesce()._nnz() for t in tensors]
+    fits = [max(1, x) * 2 for x in k]
+    too_small = [0] + fits[1:]  # rank 0's first tensor has rows: every rank falls back
+    stats = [SparseSyncStats() for _ in tensors]
+    for caps in (fits, too_small):
+        caps = [int(c) for c in torch.tensor(caps).view(1, -1).repeat(world, 1).max(0).values]
+        dist.all_reduce(t := torch.tensor(caps), op=dist.ReduceOp.MAX)
+        outs = sparsecomm.sparse_allreduce_coalesced(tensors, op="avg", method="allgather", capacity=t.tolist(),
+                                                     stats=stats)
+        for case, a, b in zip(cases, outs, plain):
+            _check_result(case, a, world)
+            assert torch.equal(a.indices(), b.indices()) and torch.equal(a.values(), b.values())
+    return [s.bytes_sent for s in stats]
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_allgather_with_capacity_is_one_collective_and_falls_back_when_rows_overflow(world):
+    run_ranks(world, _capacity_worker)
+
+
 def _malicious_worker(rank, world, attack):
     """Rank 1 corrupts what it tells its peers; every rank must raise ValueError, nothing crashes."""
     import sparsecomm.collectives.sync_plan as sparse_mod

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.collectives.groups import node_groups, run_async, twin_group
-from sparsecomm.collectives.sync_paths import fused_exchange, one_by_one
+from sparsecomm.collectives.sync_paths import capped_allgather, fused_exchange, one_by_one
 from sparsecomm.collectives.sync_plan import SyncPlan, exchange_meta, prepare, unlinear
 from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats, SyncMethod
 
@@ -131,7 +131,8 @@ def sparse_allreduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[
                                scheme: Union[str, PartitionScheme] = "hash",
                                local_world_size: Optional[int] = None, local_aggregation: bool = True,
                                method: Union[str, SyncMethod, Sequence[Union[str, SyncMethod]]] = "partitioned",
-                               nonfinite: str = "raise", stats: Optional[Sequence[SparseSyncStats]] = None
+                               nonfinite: str = "raise", stats: Optional[Sequence[SparseSyncStats]] = None,
+                               capacity: Optional[Sequence[int]] = None
                                ) -> Union[List[torch.Tensor], torch.futures.Future]:
     """:func:`sparse_allreduce` of several sparse tensors in one set of collectives.
 
@@ -145,6 +146,12 @@ def sparse_allreduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[
         tensors: sparse COO tensors, all on one device.
         method: one method for all tensors, or one per tensor.
         stats: one :class:`SparseSyncStats` per tensor to fill, or None.
+        capacity: when every tensor takes the allgather path, rows to reserve
+            per rank and tensor (the same on every rank, e.g. from the last
+            call's ``rows_local_max``): metadata and rows then travel in ONE
+            all-to-all, each rank's rows zero-padded to the capacity. If any
+            rank holds more, every rank sees it and the call falls back to
+            the two-collective path (correct either way).
         (others): as for :func:`sparse_allreduce`.
 
     Returns:
@@ -157,7 +164,8 @@ def sparse_allreduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[
     stats = [SparseSyncStats() for _ in tensors] if stats is None else list(stats)
     if len(stats) != len(tensors):
         raise ValueError(f"stats: got {len(stats)} for {len(tensors)} tensors")
-    plan = SyncPlan.build(tensors, group, op, scheme, local_world_size, local_aggregation, methods, nonfinite)
+    plan = SyncPlan.build(tensors, group, op, scheme, local_world_size, local_aggregation, methods, nonfinite,
+                          capacity)
     if plan.hierarchical_any:
         node_groups(group, plan.local_world_size)  # collective creation, in the caller's program order
 
@@ -183,13 +191,17 @@ def _sync(tensors: List[torch.Tensor], plan: SyncPlan, stats: List[SparseSyncSta
     t0 = clock()
     tables = [prepare(t, m, plan, s) for t, m, s in zip(tensors, plan.methods, stats)]
     t1 = clock()
-    peers = exchange_meta(tables, plan) if tables else []
+    results: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(tables)
+    capped = capped_allgather(tables, plan) if tables and plan.capped else None
+    if capped is not None:  # metadata and rows in one collective
+        peers, results = capped
+    else:
+        peers = exchange_meta(tables, plan) if tables else []
     for t, p in zip(tables, peers):
         t.stats.rows_local_sum, t.stats.rows_local_max = sum(p.k), max(p.k)
     t2 = clock()
-    results: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(tables)
     fused = [i for i, t in enumerate(tables) if t.fused]
-    if fused:
+    if fused and capped is None:
         for i, out in zip(fused, fused_exchange([tables[i] for i in fused], [peers[i] for i in fused], plan)):
             results[i] = out
     t3 = clock()

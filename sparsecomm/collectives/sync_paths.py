@@ -17,12 +17,79 @@ import torch.distributed as dist
 
 from sparsecomm import ops
 from sparsecomm.collectives.exchange import (allgather_rows, count_bytes, exchange_tables, kernel_ids,
-                                             push_to_owners)
+                                             push_to_owners, wire_buffers)
 from sparsecomm.collectives.groups import node_groups
-from sparsecomm.collectives.sync_plan import ERR_OK, ERR_RANGE, Peers, Rows, SyncPlan
+from sparsecomm.collectives.sync_plan import (ERR_OK, ERR_RANGE, Peers, Rows, SyncPlan, check_peers, meta_row,
+                                              meta_width)
 from sparsecomm.types import ReduceOp, SparseSyncStats, SyncMethod
 
-__all__ = ["fused_exchange", "one_by_one"]
+__all__ = ["capped_allgather", "fused_exchange", "one_by_one"]
+
+
+def capped_allgather(tables: List[Rows], plan: SyncPlan
+                     ) -> Optional[Tuple[List[Peers], List[Tuple[torch.Tensor, torch.Tensor]]]]:
+    """Metadata and rows of every tensor in ONE all-to-all, each rank's rows padded to the agreed capacity.
+
+    Every rank sends the same chunk to every rank: its metadata (as in
+    :func:`~sparsecomm.collectives.sync_plan.exchange_meta`), then per tensor
+    ``capacity[t]`` ids and rows (its k rows, zero padding after). Receivers
+    check every rank's metadata first (the same verdict everywhere), then read
+    k rows of each. Half the collectives of the two-round path, for the
+    padding's bytes.
+
+    Returns:
+        ``(peers, [(ids, values)])``, or None when some rank holds more rows
+        than the capacity (every rank sees it: call the two-round path).
+    """
+    n, caps = plan.world_size, plan.capacity
+    dev = plan.comm_device
+    width = meta_width(plan)
+    header = torch.tensor(meta_row(tables, plan), dtype=torch.int64, device=dev)
+    widths = [(torch.empty(0, dtype=t.wire_ids).element_size(), t.stats.row_bytes) for t in tables]
+    pieces = [header.view(torch.uint8)]
+    for t, cap, (wi, wv) in zip(tables, caps, widths):
+        k = min(cap, t.ids.shape[0])
+        ids = torch.zeros(cap, dtype=t.wire_ids, device=dev)
+        ids[:k] = t.ids[:k].to(device=dev, dtype=t.wire_ids)
+        vals = torch.zeros((cap, *t.value_shape()), dtype=t.values.dtype, device=dev)
+        vals[:k] = t.values[:k].to(dev)
+        pieces += [ids.view(torch.uint8).reshape(-1), vals.reshape(-1).view(torch.uint8)]
+    size = sum(p.numel() for p in pieces)
+    send, recv = wire_buffers(plan.group, n * size, n * size, dev)
+    torch.cat(pieces * n, out=send)  # the same chunk to every rank
+    dist.all_to_all_single(recv, send, group=plan.group)
+    recv = recv.view(n, -1)
+    hb = header.numel() * 8
+    got = recv[:, :hb].reshape(-1).view(torch.int64).view(n, len(tables), width).tolist()
+    peers = [check_peers([got[r][i] for r in range(n)], t, plan) for i, t in enumerate(tables)]
+    for t, cap, p, (wi, wv) in zip(tables, caps, peers, widths):
+        t.stats.bytes_sent += (n - 1) * (8 * width + cap * (wi + wv))
+        t.stats.bytes_recv += (n - 1) * (8 * width + cap * (wi + wv))
+    if any(max(p.k) > cap for p, cap in zip(peers, caps)):
+        return None
+    out, offset = [], hb
+    for t, cap, p, (wi, wv) in zip(tables, caps, peers, widths):
+        ids = torch.cat([recv[r, offset:offset + p.k[r] * wi] for r in range(n)]).view(t.wire_ids)
+        offset += cap * wi
+        vals = torch.cat([recv[r, offset:offset + p.k[r] * wv] for r in range(n)]).view(t.values.dtype)
+        offset += cap * wv
+        vals = vals.view(-1, *t.value_shape()).to(device=t.values.device, dtype=t.sum_dtype)
+        ids, vals = _sum_gathered(t, kernel_ids(ids).to(t.ids.device), vals, plan)
+        out.append((ids, vals))
+    return peers, out
+
+
+def _sum_gathered(t: Rows, ids: torch.Tensor, values: torch.Tensor, plan: SyncPlan
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every rank sums the same gathered rows in rank order: identical results everywhere."""
+    try:
+        ids, values = ops.coalesce_rows(ids, values, t.num_rows)
+    except ValueError:  # every rank received the same rows: every rank raises
+        raise ValueError(f"sparse_allreduce: a peer sent row ids outside [0, {t.num_rows}) "
+                         f"(inconsistent data between ranks)") from None
+    if plan.op is ReduceOp.AVG:
+        values.div_(plan.world_size)
+    return ids, values.to(t.values.dtype)
 
 
 def fused_exchange(tables: List[Rows], peers: List[Peers], plan: SyncPlan
@@ -48,6 +115,9 @@ def fused_exchange(tables: List[Rows], peers: List[Peers], plan: SyncPlan
     for i, (t, (ids, values)) in enumerate(zip(tables, received)):
         ids = kernel_ids(ids).to(t.ids.device)
         values = values.to(device=t.values.device, dtype=t.sum_dtype)
+        if t.method is SyncMethod.ALLGATHER:
+            out[i] = _sum_gathered(t, ids, values, plan)
+            continue
         try:
             # Ids from peers are bounds-checked by the kernel before it indexes with them.
             ids, values = ops.coalesce_rows(ids, values, t.num_rows)
@@ -56,16 +126,9 @@ def fused_exchange(tables: List[Rows], peers: List[Peers], plan: SyncPlan
             ids, values, err = ids[:0], values[:0], ERR_RANGE
         if plan.op is ReduceOp.AVG:
             values.div_(n)
-        values = values.to(t.values.dtype)
-        if t.method is SyncMethod.ALLGATHER:
-            if err != ERR_OK:  # every rank received the same rows: every rank raises
-                raise ValueError(f"sparse_allreduce: a peer sent row ids outside [0, {t.num_rows}) "
-                                 f"(inconsistent data between ranks)")
-            out[i] = (ids, values)
-        else:
-            owned.append((ids, values))
-            owned_idx.append(i)
-            errors.append(err)
+        owned.append((ids, values.to(t.values.dtype)))
+        owned_idx.append(i)
+        errors.append(err)
     if owned:
         pulled = _pull(owned, errors, [tables[i] for i in owned_idx], [peers[i] for i in owned_idx], plan)
         for i, res in zip(owned_idx, pulled):

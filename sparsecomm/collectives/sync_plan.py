@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -24,7 +24,8 @@ from sparsecomm.collectives.exchange import wire_index_dtype
 from sparsecomm.collectives.groups import comm_device, env_local_world_size
 from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats, SyncMethod
 
-__all__ = ["SyncPlan", "Rows", "Peers", "prepare", "exchange_meta", "unlinear", "ERR_OK", "ERR_RANGE"]
+__all__ = ["SyncPlan", "Rows", "Peers", "prepare", "exchange_meta", "meta_width", "meta_row", "check_peers",
+           "unlinear", "ERR_OK", "ERR_RANGE"]
 
 _MAGIC = 0x5C0DE
 ERR_OK, ERR_RANGE, ERR_NONFINITE = 0, 1, 2
@@ -49,10 +50,11 @@ class SyncPlan:
     world_size: int = 1
     rank: int = 0
     comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    capacity: Optional[List[int]] = None  # rows reserved per rank and tensor: one-collective allgather
 
     @staticmethod
     def build(tensors: Sequence[torch.Tensor], group, op, scheme, local_world_size, local_aggregation, methods,
-              nonfinite) -> "SyncPlan":
+              nonfinite, capacity: Optional[Sequence[int]] = None) -> "SyncPlan":
         op, scheme = ReduceOp(op), PartitionScheme(scheme)
         methods = [SyncMethod(m) for m in methods]
         if nonfinite not in ("raise", "propagate"):
@@ -70,15 +72,23 @@ class SyncPlan:
             local_world_size = 1  # uneven nodes: flat exchange is always correct
         if SyncMethod.TORCH in methods and dist.get_backend(group) != "gloo":
             raise ValueError("method='torch' (the backend's sparse all_reduce) needs a gloo group")
+        if capacity is not None:
+            capacity = [int(c) for c in capacity]
+            if len(capacity) != len(tensors) or min(capacity, default=0) < 0:
+                raise ValueError(f"capacity: one non-negative row count per tensor, got {capacity}")
         device = devices.pop() if devices else torch.device("cpu")
         return SyncPlan(op, scheme.value, methods, local_world_size, local_aggregation, nonfinite, device,
-                        group, n, dist.get_rank(group))
+                        group, n, dist.get_rank(group), capacity=capacity)
 
     def on(self, group: Optional[dist.ProcessGroup]) -> "SyncPlan":
         """This plan bound to the group it runs on (the caller's or its twin)."""
-        return SyncPlan(self.op, self.scheme, self.methods, self.local_world_size, self.local_aggregation,
-                        self.nonfinite, self.device, group, dist.get_world_size(group), dist.get_rank(group),
-                        comm_device(group, self.device))
+        return replace(self, group=group, world_size=dist.get_world_size(group), rank=dist.get_rank(group),
+                       comm_device=comm_device(group, self.device))
+
+    @property
+    def capped(self) -> bool:
+        """One collective for the whole call: capacities given and every tensor on the flat allgather path."""
+        return self.capacity is not None and all(m is SyncMethod.ALLGATHER for m in self.methods)
 
     def hierarchical(self, method: SyncMethod) -> bool:
         """Does a tensor on ``method`` take the two-level path?"""
@@ -239,14 +249,8 @@ def exchange_meta(tables: List[Rows], plan: SyncPlan) -> List[Peers]:
     not just the count meant for it), so every rank checks them the same way
     and raises together.
     """
-    n, width = plan.world_size, _COUNTS_SLOT + plan.world_size
-    counts = [t.part.counts for t in tables if t.part is not None]
-    flat_counts = torch.stack(counts).tolist() if counts else []  # one host sync for every tensor
-    meta: List[int] = []
-    it = iter(flat_counts)
-    for t in tables:
-        meta += _header(t, plan) + [t.err, t.ids.shape[0]] + (next(it) if t.part is not None else [0] * n)
-    send = torch.tensor(meta * n, dtype=torch.int64, device=plan.comm_device).view(n, -1)
+    n, width = plan.world_size, meta_width(plan)
+    send = torch.tensor(meta_row(tables, plan) * n, dtype=torch.int64, device=plan.comm_device).view(n, -1)
     recv = torch.empty_like(send)
     # all_to_all, not all_gather: on gloo a tiny all-gather costs several times
     # the latency of an all-to-all of the same bytes.
@@ -255,10 +259,27 @@ def exchange_meta(tables: List[Rows], plan: SyncPlan) -> List[Peers]:
     for i, t in enumerate(tables):
         t.stats.bytes_sent += 8 * width * (n - 1)
         t.stats.bytes_recv += 8 * width * (n - 1)
-    return [_check_meta([got[r][i] for r in range(n)], t, plan) for i, t in enumerate(tables)]
+    return [check_peers([got[r][i] for r in range(n)], t, plan) for i, t in enumerate(tables)]
 
 
-def _check_meta(rows: List[List[int]], t: Rows, plan: SyncPlan) -> Peers:
+def meta_width(plan: SyncPlan) -> int:
+    """int64 per tensor in a rank's metadata: header, error, k, one push count per rank."""
+    return _COUNTS_SLOT + plan.world_size
+
+
+def meta_row(tables: List[Rows], plan: SyncPlan) -> List[int]:
+    """This rank's metadata for every tensor of the call (one host sync for all push counts)."""
+    n = plan.world_size
+    counts = [t.part.counts for t in tables if t.part is not None]
+    flat_counts = torch.stack(counts).tolist() if counts else []
+    meta: List[int] = []
+    it = iter(flat_counts)
+    for t in tables:
+        meta += _header(t, plan) + [t.err, t.ids.shape[0]] + (next(it) if t.part is not None else [0] * n)
+    return meta
+
+
+def check_peers(rows: List[List[int]], t: Rows, plan: SyncPlan) -> Peers:
     """Every rank runs this on the same numbers: the same verdict everywhere."""
     me, num_rows = plan.rank, t.num_rows
     for r, row in enumerate(rows):

@@ -112,12 +112,17 @@ def _flush(state: SparseCommState) -> None:
     stats = [SparseSyncStats() for _ in items]
     group = state.sparse_group
     start = time.perf_counter()
+    # All on the allgather path (the common case at a few ranks): metadata and
+    # rows in one collective, each rank's rows padded to last step's largest k.
+    key = tuple((it.name, it.method) for it in items)
+    allgather = all(it.method is SyncMethod.ALLGATHER for it in items)
+    capacity = state.capacity_for(key) if allgather else None
 
     def job() -> List[torch.Tensor]:
         return sparse_allreduce_coalesced(tensors, group, op="avg", method=[it.method for it in items],
                                           scheme=state.scheme, local_world_size=state.local_world_size or 1,
                                           local_aggregation=state.local_aggregation, nonfinite=state.nonfinite,
-                                          stats=stats)
+                                          stats=stats, capacity=capacity)
 
     if state.overlap_sparse:
         fut = run_async(job, group=group, device=tensors[0].device)
@@ -136,6 +141,8 @@ def _flush(state: SparseCommState) -> None:
                 it.future.set_exception(exc)
             return
         share = (time.perf_counter() - start) / len(items)
+        if allgather:
+            state.learn_capacity(key, stats)
         for it, out, s in zip(items, outs, stats):
             try:
                 state.record(it.path, s.bytes_sent, s.bytes_recv, share)

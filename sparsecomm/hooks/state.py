@@ -108,7 +108,7 @@ class SparseCommState:
         "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every", "overlap_sparse", "fuse_dense",
         # internal state
         "world_size", "_sparse_group", "param_names", "dense_embedding_names", "sparse_param_count", "decisions",
-        "iteration", "_decided_at", "_calls", "_suggested", "_pending", "_step_futures", "_empty_sparse", "_clear_empty",
+        "iteration", "_decided_at", "_calls", "_suggested", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_clear_empty",
         "_cleanup_queued", "_lock", "_backend",
         # statistics
         "stats", "step_stats", "history",
@@ -119,7 +119,7 @@ class SparseCommState:
                  sparse_dense_embeddings: bool = False, scheme: str = "hash",
                  local_world_size: Optional[int] = None, local_aggregation: bool = True,
                  nonfinite: str = "propagate", latency_bytes: Optional[float] = None, reclassify_every: int = 0,
-                 history: int = 100, overlap_sparse: bool = True, fuse_dense: bool = True) -> None:
+                 history: int = 100, overlap_sparse: bool = False, fuse_dense: bool = True) -> None:
         if compression not in COMPRESSION_DTYPES:
             raise ValueError(f"compression must be 'fp16', 'bf16' or None, got {compression!r}")
         overrides = dict(overrides or {})
@@ -172,6 +172,7 @@ class SparseCommState:
     def _init_runtime(self) -> None:
         self._pending: List[Any] = []         # sparse work of this step, synchronized together
         self._step_futures: List[Any] = []    # futures of this step's sparse work (the step closes after them)
+        self._capacity: Dict[Any, List[int]] = {}  # per set of tensors: rows to reserve (one-collective allgather)
         self._empty_sparse: List[nn.Parameter] = []
         self._cleanup_queued = False
         self._lock = threading.Lock()         # counters are updated from the autograd and the worker thread
@@ -214,7 +215,7 @@ class SparseCommState:
         # Like PowerSGDState: process groups do not pickle; the restored state
         # uses the default group. Parameter names are keyed by this process's
         # tensor addresses: call attach(model) again after unpickling.
-        skip = {"process_group", "_sparse_group", "_pending", "_step_futures", "_empty_sparse", "_cleanup_queued",
+        skip = {"process_group", "_sparse_group", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_cleanup_queued",
                 "_lock", "param_names", "_clear_empty", "sparse_param_count"}
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
@@ -264,6 +265,14 @@ class SparseCommState:
         n, nbytes = self.world_size, buffer.numel() * buffer.element_size()
         extra = (n - 1) * nbytes - ring_allreduce_bytes(buffer.numel(), buffer.element_size(), n)
         return nbytes <= _MAX_FUSED_DENSE_BYTES and extra <= self.latency_bytes
+
+    def capacity_for(self, key: Any) -> Optional[List[int]]:
+        """Rows to reserve per tensor for this set of tensors, from the last step (same on every rank)."""
+        return self._capacity.get(key)
+
+    def learn_capacity(self, key: Any, stats: List[SparseSyncStats]) -> None:
+        """Next step's reservation: the largest k any rank had, plus 1/16 and 8 rows of slack."""
+        self._capacity[key] = [s.rows_local_max + s.rows_local_max // 16 + 8 for s in stats]
 
     def next_call(self, name: str) -> int:
         call = self._calls[name] = self._calls.get(name, 0) + 1
