@@ -32,7 +32,7 @@ def capped_allgather(tables: List[Rows], plan: SyncPlan
 
     Every rank sends the same chunk to every rank: its metadata (as in
     :func:`~sparsecomm.collectives.sync_plan.exchange_meta`), then per tensor
-    ``capacity[t]`` ids and rows (its k rows, zero padding after). Receivers
+    ``capacity[t]`` ids and rows (its k rows, then unread padding). Receivers
     check every rank's metadata first (the same verdict everywhere), then read
     k rows of each. Half the collectives of the two-round path, for the
     padding's bytes.
@@ -46,37 +46,48 @@ def capped_allgather(tables: List[Rows], plan: SyncPlan
     width = meta_width(plan)
     header = torch.tensor(meta_row(tables, plan), dtype=torch.int64, device=dev)
     widths = [(torch.empty(0, dtype=t.wire_ids).element_size(), t.stats.row_bytes) for t in tables]
-    pieces = [header.view(torch.uint8)]
-    for t, cap, (wi, wv) in zip(tables, caps, widths):
-        k = min(cap, t.ids.shape[0])
-        ids = torch.zeros(cap, dtype=t.wire_ids, device=dev)
-        ids[:k] = t.ids[:k].to(device=dev, dtype=t.wire_ids)
-        vals = torch.zeros((cap, *t.value_shape()), dtype=t.values.dtype, device=dev)
-        vals[:k] = t.values[:k].to(dev)
-        pieces += [ids.view(torch.uint8).reshape(-1), vals.reshape(-1).view(torch.uint8)]
-    size = sum(p.numel() for p in pieces)
+    hb = header.numel() * 8
+    # Every region starts at a multiple of 8 bytes, so each can be viewed in its dtype.
+    spans = [(_align8(cap * wi), _align8(cap * wv)) for cap, (wi, wv) in zip(caps, widths)]
+    size = hb + sum(a + b for a, b in spans)
     send, recv = wire_buffers(plan.group, n * size, n * size, dev)
-    torch.cat(pieces * n, out=send)  # the same chunk to every rank
+    # Rank 0's chunk is written in place (no staging copies; the padding is
+    # never read, so it is not cleared), then copied for the other ranks.
+    first = send[:size]
+    first[:hb].copy_(header.view(torch.uint8))
+    offset = hb
+    for t, cap, (wi, wv), (si, sv) in zip(tables, caps, widths, spans):
+        k = min(cap, t.ids.shape[0])
+        first[offset:offset + k * wi].view(t.wire_ids).copy_(t.ids[:k])
+        offset += si
+        if k:
+            first[offset:offset + k * wv].view(t.values.dtype).view(k, -1).copy_(t.values[:k].reshape(k, -1))
+        offset += sv
+    for j in range(1, n):
+        send[j * size:(j + 1) * size].copy_(first)
     dist.all_to_all_single(recv, send, group=plan.group)
     recv = recv.view(n, -1)
-    hb = header.numel() * 8
     got = recv[:, :hb].reshape(-1).view(torch.int64).view(n, len(tables), width).tolist()
     peers = [check_peers([got[r][i] for r in range(n)], t, plan) for i, t in enumerate(tables)]
-    for t, cap, p, (wi, wv) in zip(tables, caps, peers, widths):
-        t.stats.bytes_sent += (n - 1) * (8 * width + cap * (wi + wv))
-        t.stats.bytes_recv += (n - 1) * (8 * width + cap * (wi + wv))
+    for t, p, (si, sv) in zip(tables, peers, spans):
+        t.stats.bytes_sent += (n - 1) * (8 * width + si + sv)
+        t.stats.bytes_recv += (n - 1) * (8 * width + si + sv)
     if any(max(p.k) > cap for p, cap in zip(peers, caps)):
         return None
     out, offset = [], hb
-    for t, cap, p, (wi, wv) in zip(tables, caps, peers, widths):
+    for t, p, (wi, wv), (si, sv) in zip(tables, peers, widths, spans):
         ids = torch.cat([recv[r, offset:offset + p.k[r] * wi] for r in range(n)]).view(t.wire_ids)
-        offset += cap * wi
+        offset += si
         vals = torch.cat([recv[r, offset:offset + p.k[r] * wv] for r in range(n)]).view(t.values.dtype)
-        offset += cap * wv
+        offset += sv
         vals = vals.view(-1, *t.value_shape()).to(device=t.values.device, dtype=t.sum_dtype)
         ids, vals = _sum_gathered(t, kernel_ids(ids).to(t.ids.device), vals, plan)
         out.append((ids, vals))
     return peers, out
+
+
+def _align8(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
 
 
 def _sum_gathered(t: Rows, ids: torch.Tensor, values: torch.Tensor, plan: SyncPlan
