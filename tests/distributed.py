@@ -88,3 +88,13 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, env: Optional[Dict[str,
             codes = {r: procs[r].exitcode for r in missing}
             raise AssertionError(f"ranks {missing} died without a result (exit codes {codes})")
         return {r: v[1] for r, v in results.items()}
+
+
+def expect_value_error(fn: Callable[[], Any], match: str) -> str:
+    """Call ``fn``; it must raise ValueError whose message contains ``match``. Returns the message."""
+    try:
+        fn()
+    except ValueError as e:
+        assert match in str(e), f"expected {match!r} in {e}"
+        return str(e)
+    raise AssertionError(f"no ValueError (expected {match!r})")

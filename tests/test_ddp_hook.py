@@ -163,22 +163,34 @@ def _shapes_worker(rank, world):
         checks.append((f"dense-embeddings-rows={option}", max_diff(ours.module, ref.module)))
         assert ("dense-embedding-rows" in state.stats) == option
 
-    # A sparse table some steps do not use, on some ranks or on all (find_unused_parameters=True);
-    # plain DDP fails here ("Expected sparse gradient to be defined").
-    class TwoTables(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Embedding(V, D, sparse=True)
-            self.b = nn.Embedding(V, D, sparse=True)
+    checks.append(("unused-table", _unused_tables(rank, world, "register")))
+    return checks
 
-        def forward(self, x, use_b):
-            h = self.a(x)
-            return (h + self.b(x) if use_b else h).sum(1)
 
+class TwoTables(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Embedding(V, D, sparse=True)
+        self.b = nn.Embedding(V, D, sparse=True)
+
+    def forward(self, x, use_b):
+        h = self.a(x)
+        return (h + self.b(x) if use_b else h).sum(1)
+
+
+def _unused_tables(rank, world, route):
+    """A sparse table some steps do not use, on some ranks or on all (find_unused_parameters=True).
+
+    Plain DDP fails here ("Expected sparse gradient to be defined"). ``route``:
+    "register" or "comm_hook" (PyTorch's register_comm_hook with SparseCommState(model=...)).
+    """
     torch.manual_seed(3)
     base = TwoTables()
     ours, single = DDP(copy.deepcopy(base), find_unused_parameters=True), copy.deepcopy(base)
-    sparsecomm.register(ours)
+    if route == "register":
+        sparsecomm.register(ours)
+    else:
+        ours.register_comm_hook(sparsecomm.SparseCommState(model=ours), sparsecomm.sparsecomm_hook)
     opt1 = torch.optim.SparseAdam(ours.parameters(), lr=0.1)
     opt2 = torch.optim.SparseAdam(single.parameters(), lr=0.1)
     for step in range(6):
@@ -193,8 +205,12 @@ def _shapes_worker(rank, world):
         loss = sum((single(xs[r], use[r]) ** 2).mean() for r in range(world)) / world
         loss.backward()
         opt2.step()
-    checks.append(("unused-table", max_diff(ours.module, single)))
-    return checks
+    return max_diff(ours.module, single)
+
+
+def test_register_comm_hook_route_handles_unused_tables_like_register():
+    for diff in run_ranks(2, _unused_tables, "comm_hook").values():
+        assert diff < 2e-5
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -1,4 +1,4 @@
-"""The DDP hook under stress: every option at once with the async API beside it, AMP's GradScaler, the PyTorch route.
+"""The DDP hook under stress: every option at once with the async API beside it, and AMP's GradScaler.
 
 Each test trains against single-process training on the whole batch (or plain DDP) step by step.
 """
@@ -118,40 +118,3 @@ def test_gradscaler_skips_the_overflow_step_on_every_rank_like_plain_ddp():
         for step, is_ours, unchanged, scale in skipped:
             assert unchanged == (step == 2), (step, is_ours, unchanged)
             assert scale == (128.0 if step >= 2 else 256.0)
-
-
-class TwoTables(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Embedding(V, D, sparse=True)
-        self.b = nn.Embedding(V, D, sparse=True)
-
-    def forward(self, x, use_b):
-        h = self.a(x)
-        return (h + self.b(x) if use_b else h).sum(1)
-
-
-def _pytorch_route_worker(rank, world):
-    torch.manual_seed(3)
-    base = TwoTables()
-    ours, single = DDP(copy.deepcopy(base), find_unused_parameters=True), copy.deepcopy(base)
-    ours.register_comm_hook(sparsecomm.SparseCommState(model=ours), sparsecomm.sparsecomm_hook)
-    opt1 = torch.optim.SparseAdam(ours.parameters(), lr=0.1)
-    opt2 = torch.optim.SparseAdam(single.parameters(), lr=0.1)
-    for step in range(6):
-        use = [(step % 3 == 1 and r == 0) or step == 5 for r in range(world)]
-        xs = [zipf_ids(B, V, 1.1, seed=step * 10 + r) for r in range(world)]
-        opt1.zero_grad(set_to_none=True)
-        (ours(xs[rank], use[rank]) ** 2).mean().backward()
-        if not any(use):
-            assert ours.module.b.weight.grad is None
-        opt1.step()
-        opt2.zero_grad(set_to_none=True)
-        (sum((single(xs[r], use[r]) ** 2).mean() for r in range(world)) / world).backward()
-        opt2.step()
-    return max_diff(ours.module, single)
-
-
-def test_register_comm_hook_route_handles_unused_tables_like_register():
-    for diff in run_ranks(2, _pytorch_route_worker).values():
-        assert diff < 2e-5

@@ -29,7 +29,7 @@ import sparsecomm
 import sparsecomm.sharded as sh
 from sparsecomm.sharded import checkpoint as ckpt
 
-from distributed import run_ranks
+from distributed import expect_value_error, run_ranks
 
 V, D, B, L = 120, 6, 5, 4
 STEPS = 20
@@ -197,15 +197,6 @@ def case_train(rank, world, name, kind, opt, scheme, dtype, variant):
             assert float(opts[1].state[model.emb.local_weight]["exp_avg"][slot].abs().max()) == 0.0
 
 
-def expect_error(fn, match):
-    try:
-        fn()
-    except ValueError as e:
-        assert match in str(e), f"expected {match!r} in {e}"
-        return str(e)
-    raise AssertionError(f"no ValueError (expected {match!r})")
-
-
 def case_errors(rank, world):
     emb = sh.ShardedEmbedding(30, 4, seed=1)
     bag = sh.ShardedEmbeddingBag(30, 4, mode="sum", seed=2)
@@ -219,23 +210,23 @@ def case_errors(rank, world):
         opt.step()
 
     bad = torch.tensor([[1, 2], [3, 30 + last]]) if rank == last else good
-    msg = expect_error(lambda: emb(bad), f"id {30 + last}")
+    msg = expect_value_error(lambda: emb(bad), f"id {30 + last}")
     assert ("outside [0, 30)" in msg) and (rank == last or f"rank {last} looked up id" in msg), msg
     still_works()
     neg = torch.tensor([[-1, 2]]) if rank == 0 else good
-    expect_error(lambda: emb(neg), "id -1")
-    expect_error(lambda: bag(neg), "id -1")
+    expect_value_error(lambda: emb(neg), "id -1")
+    expect_value_error(lambda: bag(neg), "id -1")
     still_works()
     floats = good.float() if rank == 0 else good
-    expect_error(lambda: emb(floats), "int32 or int64" if rank == 0 else "rank 0 passed an invalid input")
+    expect_value_error(lambda: emb(floats), "int32 or int64" if rank == 0 else "rank 0 passed an invalid input")
     flat = torch.tensor([1, 2, 3])
     offs = torch.tensor([1, 2]) if rank == last else torch.tensor([0, 2])
-    expect_error(lambda: bag(flat, offs), "offsets[0] must be 0" if rank == last else f"rank {last} passed")
-    expect_error(lambda: bag(flat), "offsets are required")
+    expect_value_error(lambda: bag(flat, offs), "offsets[0] must be 0" if rank == last else f"rank {last} passed")
+    expect_value_error(lambda: bag(flat), "offsets are required")
     still_works()
     if world > 1:
         twin = sh.ShardedEmbedding(30, 4, seed=1)
-        expect_error(lambda: (emb if rank == 0 else twin)(good), "ranks must call the same tables")
+        expect_value_error(lambda: (emb if rank == 0 else twin)(good), "ranks must call the same tables")
         still_works()
     for bad_args, match in (((0, 4), "num_embeddings"), ((5, 0), "embedding_dim")):
         with pytest.raises(ValueError, match=match):
@@ -451,16 +442,16 @@ def case_checkpoint_refused(rank, world, root):
     model = ckpt_model()
     opts = ckpt_optimizers(model)
     before = model.emb.local_weight.clone()
-    expect_error(lambda: sh.load(torn, model, opts[1]), "torn")
+    expect_value_error(lambda: sh.load(torn, model, opts[1]), "torn")
     assert torch.equal(model.emb.local_weight, before)
     # A model that does not fit the checkpoint: refused by every rank with the reason.
     small = Net(sh.ShardedEmbedding(V, D + 1, seed=1), torch.float64)
-    expect_error(lambda: sh.load(src, small), "that the model lacks")
+    expect_value_error(lambda: sh.load(src, small), "that the model lacks")
     wrong_dim = ckpt_model()
     wrong_dim.bag = sh.ShardedEmbeddingBag(V, D + 1, seed=1)
-    expect_error(lambda: sh.load(src, wrong_dim), f"the checkpoint holds {V} x {D}, the model has {V} x {D + 1}")
+    expect_value_error(lambda: sh.load(src, wrong_dim), f"the checkpoint holds {V} x {D}, the model has {V} x {D + 1}")
     other_opt = ckpt_model()
-    expect_error(lambda: sh.load(src, other_opt, sh.ShardedAdagrad(other_opt)), "ShardedAdam, loading into")
+    expect_value_error(lambda: sh.load(src, other_opt, sh.ShardedAdagrad(other_opt)), "ShardedAdam, loading into")
     dist.barrier()
 
 

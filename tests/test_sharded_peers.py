@@ -24,7 +24,7 @@ from sparsecomm import ops
 from sparsecomm.collectives import groups, sharded_exchange
 from sparsecomm.sharded import checkpoint as ckpt
 
-from distributed import run_ranks
+from distributed import expect_value_error, run_ranks
 
 WORLD = 3
 BAD = 2            # the rank that corrupts what it sends
@@ -72,15 +72,6 @@ def foreign_ids(wrong):
             offset += c
         return ids
     return edit
-
-
-def expect_value_error(fn, match):
-    try:
-        fn()
-    except ValueError as e:
-        assert match in str(e), f"expected {match!r} in {e}"
-        return str(e)
-    raise AssertionError(f"no ValueError (expected {match!r})")
 
 
 def case_malicious_peer(rank, world):
