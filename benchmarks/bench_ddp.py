@@ -130,9 +130,10 @@ def report(a: argparse.Namespace, world: int, optimizer: str, batch: int, gather
     row = {"world": world, "optimizer": optimizer, "batch": batch}
     for m in MODES:
         row[f"{m}_ms"] = 1e3 * med[m]["step"]
-    for m in ("ddp", "sparsecomm"):
+    for m in MODES:
         for p in PHASES:
             row[f"{m}_{p}_ms"] = 1e3 * med[m][p]
+    for m in ("ddp", "sparsecomm"):
         row[f"{m}_overhead_ms"] = 1e3 * (med[m]["step"] - floor)
     row["sync_share_of_ddp"] = (med["ddp"]["step"] - floor) / med["ddp"]["step"]
     row["hooked_over_plain"] = med["sparsecomm"]["step"] / med["ddp"]["step"]
@@ -148,9 +149,9 @@ def print_row(row: Dict) -> None:
           f"step ms: ddp {row['ddp_ms']:7.1f}  sparsecomm {row['sparsecomm_ms']:7.1f}  floor {row['floor_ms']:6.1f} | "
           f"overhead ms: ddp {row['ddp_overhead_ms']:6.1f}  sparsecomm {row['sparsecomm_overhead_ms']:6.1f} | "
           f"speedup {row['speedup']:.2f}x  #wrong={row['wrong']}  paths={row['paths']}", flush=True)
-    print(f"    phases ms (fwd/bwd+sync/opt): ddp {row['ddp_forward_ms']:.1f}/{row['ddp_backward_ms']:.1f}/"
-          f"{row['ddp_optimizer_ms']:.1f}  sparsecomm {row['sparsecomm_forward_ms']:.1f}/"
-          f"{row['sparsecomm_backward_ms']:.1f}/{row['sparsecomm_optimizer_ms']:.1f}", flush=True)
+    print("    phases ms (fwd/bwd+sync/opt): " + "  ".join(
+        f"{m} {row[f'{m}_forward_ms']:.1f}/{row[f'{m}_backward_ms']:.1f}/{row[f'{m}_optimizer_ms']:.1f}"
+        for m in MODES), flush=True)
 
 
 def worker(a: argparse.Namespace) -> int:
