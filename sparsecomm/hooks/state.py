@@ -93,10 +93,11 @@ class SparseCommState:
             them in rank order) instead of an allreduce of their own, where
             the cost model says a collective's latency is worth more than
             the extra bytes (default True; never with ``compression``).
-        overlap_sparse: run the step's sparse synchronization on the hook
-            group's worker thread (default), overlapping the rest of backward
-            and the dense allreduces; False runs it on the autograd thread.
-            Either way only one thread ever uses the hook's group.
+        overlap_sparse: run the step's fused synchronization on the hook
+            group's worker thread; False (default) runs it on the autograd
+            thread: it starts at the step's last bucket, so nothing is left to
+            overlap and the thread hop measured 1.3 ms per step here. Either
+            way only one thread ever uses the hook's group.
 
     Raises:
         ValueError: an unknown compression, override or scheme.
