@@ -120,7 +120,7 @@ VARIANTS = [
 DENSE_PATHS = {"dense", "dense-fused"}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_training_matches_ddp_and_single_process(world):
     results = run_ranks(world, _equivalence_worker, VARIANTS)
     res = results[0]

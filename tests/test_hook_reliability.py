@@ -76,7 +76,7 @@ def _stress_worker(rank, world, lws, steps):
     return worst, sorted(state.stats)
 
 
-@pytest.mark.parametrize("world,lws", [(3, 1), (4, 2)])
+@pytest.mark.parametrize("world,lws", [(3, 1), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_every_option_at_once_matches_single_process(world, lws):
     # Overlap (worker thread), dense-gradient rows, two-level aggregation (4 = 2 x 2), a forced
     # partitioned table beside the classifier's choice, and the user's async API on another group.
