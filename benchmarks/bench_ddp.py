@@ -118,8 +118,6 @@ def run_config(a: argparse.Namespace, rank: int, world: int, optimizer: str, bat
         worst = max(worst, diff)
         wrong += int(not diff <= a.tolerance * max(1.0, float(x.abs().max())))
     paths = {k: d.method.value for k, d in runs["sparsecomm"]["state"].decisions.items()}
-    if os.environ.get("SPARSECOMM_BENCH_DEBUG") and rank == 0:
-        print(runs["sparsecomm"]["state"].stats, flush=True)
     return dict(medians=medians, wrong=wrong, worst=worst, paths=paths)
 
 

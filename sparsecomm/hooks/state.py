@@ -108,7 +108,7 @@ class SparseCommState:
         "process_group", "compression", "overrides", "sparse_dense_embeddings", "scheme", "local_world_size",
         "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every", "overlap_sparse", "fuse_dense",
         # internal state
-        "world_size", "_sparse_group", "param_names", "dense_embedding_names", "sparse_param_count", "decisions",
+        "world_size", "_sparse_group", "param_names", "dense_embedding_names", "decisions",
         "iteration", "_decided_at", "_calls", "_suggested", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_clear_empty",
         "_cleanup_queued", "_lock", "_backend",
         # statistics
@@ -157,7 +157,6 @@ class SparseCommState:
         self._init_runtime()
         self.param_names: Dict[int, str] = {}
         self.dense_embedding_names: Dict[str, Tuple[int, int]] = {}
-        self.sparse_param_count = 0
         self.decisions: Dict[str, Decision] = {}
         self.iteration = 0
         self._decided_at: Dict[str, int] = {}
@@ -208,7 +207,7 @@ class SparseCommState:
         for mod_name, mod in module.named_modules():
             if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and not mod.sparse:
                 self.dense_embedding_names[f"{mod_name}.weight" if mod_name else "weight"] = tuple(mod.weight.shape)
-        self.sparse_param_count = install_unused_table_hook(module, self)
+        install_unused_table_hook(module, self)
 
     # ---------------------------------------------------------------- pickling
 
@@ -217,7 +216,7 @@ class SparseCommState:
         # uses the default group. Parameter names are keyed by this process's
         # tensor addresses: call attach(model) again after unpickling.
         skip = {"process_group", "_sparse_group", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_cleanup_queued",
-                "_lock", "param_names", "_clear_empty", "sparse_param_count"}
+                "_lock", "param_names", "_clear_empty"}
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -226,7 +225,6 @@ class SparseCommState:
         self.process_group = None
         self._sparse_group = None  # created on first use (a collective), not while unpickling
         self.param_names = {}
-        self.sparse_param_count = 0
         self._clear_empty = False
         self._init_runtime()
 
