@@ -17,6 +17,10 @@ import sparsecomm
 MODES = ("ddp-default", "sparsecomm")
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default in --help."""
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="training steps")
     p.add_argument("--batch-size", type=int, default=256, help="samples per rank per step")

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, finish, optimizer_step, setup, train, wrap  # noqa: E402
+from common import HelpFormatter, add_common_args, finish, optimizer_step, setup, train, wrap  # noqa: E402
 
 from sparsecomm.synthetic import zipf_ids  # noqa: E402
 
@@ -75,7 +75,7 @@ def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_common_args(p)
     p.add_argument("--tables", default="200000,50000,10000,1000",
                    help="rows of each embedding table, comma-separated")

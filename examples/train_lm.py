@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_common_args, finish, optimizer_step, setup, train, wrap  # noqa: E402
+from common import HelpFormatter, add_common_args, finish, optimizer_step, setup, train, wrap  # noqa: E402
 
 from sparsecomm.synthetic import zipf_ids  # noqa: E402
 
@@ -79,7 +79,7 @@ class LSTMLM(nn.Module):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_common_args(p)
     p.set_defaults(batch_size=64)
     p.add_argument("--vocab", type=int, default=100_000, help="vocabulary size (rows of each table)")
