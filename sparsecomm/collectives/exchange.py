@@ -53,9 +53,9 @@ def wire_buffers(group: Optional[dist.ProcessGroup], send_bytes: int, recv_bytes
     key = (id(group) if group is not None else None, str(device))
     send, recv = _BUFFERS.get(key, (None, None))
     if send is None or send.numel() < send_bytes or recv.numel() < recv_bytes:
-        grow = lambda old, need: max(need, 0 if old is None else old.numel())  # noqa: E731
-        send = torch.empty(grow(send, send_bytes), dtype=torch.uint8, device=device)
-        recv = torch.empty(grow(recv, recv_bytes), dtype=torch.uint8, device=device)
+        have = (0, 0) if send is None else (send.numel(), recv.numel())
+        send = torch.empty(max(send_bytes, have[0]), dtype=torch.uint8, device=device)
+        recv = torch.empty(max(recv_bytes, have[1]), dtype=torch.uint8, device=device)
         if max(send.numel(), recv.numel()) <= _MAX_CACHED_BYTES:
             _BUFFERS[key] = (send, recv)
     return send[:send_bytes], recv[:recv_bytes]
@@ -94,31 +94,6 @@ def count_bytes(stats: Optional[SparseSyncStats], send: Sequence[int], recv: Seq
             stats.bytes_recv_inter_node += r
 
 
-def _exchange_packed(send: torch.Tensor, send_counts: List[int], recv_counts: List[int], row_bytes: List[int],
-                     group: Optional[dist.ProcessGroup], device: torch.device, stats: Optional[SparseSyncStats],
-                     peer_node: Optional[Sequence[int]]) -> List[torch.Tensor]:
-    """One all-to-all of packed rows; returns each tensor's received bytes, in source-rank order.
-
-    Layout of every peer's chunk, both ways: the chunk's rows of tensor 0,
-    then of tensor 1, ... (row widths ``row_bytes``).
-    """
-    per_row = sum(row_bytes)
-    recv = torch.empty(sum(recv_counts) * per_row, dtype=torch.uint8, device=device)
-    s_bytes = [c * per_row for c in send_counts]
-    r_bytes = [c * per_row for c in recv_counts]
-    dist.all_to_all_single(recv, send, r_bytes, s_bytes, group=group)
-    count_bytes(stats, s_bytes, r_bytes, dist.get_rank(group), peer_node)
-    if len(row_bytes) == 1:
-        return [recv]
-    chunks: List[List[torch.Tensor]] = [[] for _ in row_bytes]
-    offset = 0
-    for c in recv_counts:
-        for i, rb in enumerate(row_bytes):
-            chunks[i].append(recv[offset:offset + c * rb])
-            offset += c * rb
-    return [torch.cat(ch) for ch in chunks]
-
-
 def all_to_all_rows(tensors: Sequence[torch.Tensor], send_counts: List[int], recv_counts: List[int],
                     group: Optional[dist.ProcessGroup], device: torch.device,
                     stats: Optional[SparseSyncStats] = None, peer_node: Optional[Sequence[int]] = None
@@ -133,18 +108,10 @@ def all_to_all_rows(tensors: Sequence[torch.Tensor], send_counts: List[int], rec
     Returns:
         One tensor per input: the received rows, ordered by source rank.
     """
-    row_bytes = [math.prod(t.shape[1:]) * t.element_size() for t in tensors]
-    flat = [_as_bytes(t.to(device)) for t in tensors]
-    if len(tensors) == 1:
-        send = flat[0]
-    else:
-        pieces, offset = [], 0
-        for c in send_counts:
-            pieces += [f[offset * rb:(offset + c) * rb] for f, rb in zip(flat, row_bytes)]
-            offset += c
-        send = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
-    parts = _exchange_packed(send, send_counts, recv_counts, row_bytes, group, device, stats, peer_node)
-    return [p.view(t.dtype).view(-1, *t.shape[1:]) for p, t in zip(parts, tensors)]
+    per_row = sum(_row_bytes(t) for t in tensors)
+    count_bytes(stats, [c * per_row for c in send_counts], [c * per_row for c in recv_counts],
+                dist.get_rank(group), peer_node)
+    return exchange_tables([tensors], [send_counts], [recv_counts], [False], group, device)[0]
 
 
 def exchange_counts(send_counts: torch.Tensor, group: Optional[dist.ProcessGroup], device: torch.device,
@@ -158,52 +125,57 @@ def exchange_counts(send_counts: torch.Tensor, group: Optional[dist.ProcessGroup
     return recv.tolist()
 
 
-def exchange_tables(parts: Sequence[Tuple[torch.Tensor, torch.Tensor]], send_counts: Sequence[Sequence[int]],
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
+def exchange_tables(blocks: Sequence[Sequence[torch.Tensor]], send_counts: Sequence[Sequence[int]],
                     recv_counts: Sequence[Sequence[int]], repeat: Sequence[bool],
-                    group: Optional[dist.ProcessGroup], device: torch.device
-                    ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """One all-to-all carrying the (ids, rows) of several tensors at once.
+                    group: Optional[dist.ProcessGroup], device: torch.device) -> List[List[torch.Tensor]]:
+    """One all-to-all carrying several blocks of rows at once: the packing every row exchange uses.
 
     Args:
-        parts: per tensor, ``(ids, values)`` with one value row per id, the
-            rows for peer j consecutive (peer order), unless ``repeat``.
-        send_counts, recv_counts: per tensor, rows sent to / received from each
+        blocks: per block, tensors with one row per entry that share its row
+            counts (say a tensor's ids and its value rows); the rows for peer
+            j consecutive, in peer order, unless ``repeat``.
+        send_counts, recv_counts: per block, rows sent to / received from each
             peer (received counts must already be validated).
-        repeat: per tensor, True to send all of its rows to every peer (an allgather).
+        repeat: per block, True to send all of its rows to every peer (an allgather).
+
+    Layout of every peer's chunk, both ways: block 0's rows of each of its
+    tensors, then block 1's, ... Buffers are reused (:func:`wire_buffers`).
 
     Returns:
-        Per tensor, the received ``(ids, values)``, in source-rank order.
+        Per block, its tensors' received rows in source-rank order (copies:
+        nothing returned aliases the reused receive buffer).
     """
     n = dist.get_world_size(group)
-    widths = [[i.element_size(), math.prod(v.shape[1:]) * v.element_size()] for i, v in parts]
-    flat = [(_as_bytes(i.to(device)), _as_bytes(v.to(device))) for i, v in parts]
-    offsets = [0] * len(parts)
+    widths = [[_row_bytes(t) for t in block] for block in blocks]
+    flat = [[_as_bytes(t.to(device)) for t in block] for block in blocks]
+    offsets = [0] * len(blocks)
     pieces = []
     for j in range(n):
-        for t, ((fi, fv), (wi, wv)) in enumerate(zip(flat, widths)):
-            c = send_counts[t][j]
-            a = 0 if repeat[t] else offsets[t]
-            pieces += [fi[a * wi:(a + c) * wi], fv[a * wv:(a + c) * wv]]
-            offsets[t] = a + c
-    s_bytes = [sum(send_counts[t][j] * sum(widths[t]) for t in range(len(parts))) for j in range(n)]
-    r_bytes = [sum(recv_counts[t][j] * sum(widths[t]) for t in range(len(parts))) for j in range(n)]
+        for b, (fb, wb) in enumerate(zip(flat, widths)):
+            c = send_counts[b][j]
+            a = 0 if repeat[b] else offsets[b]
+            pieces += [f[a * w:(a + c) * w] for f, w in zip(fb, wb)]
+            offsets[b] = a + c
+    s_bytes = [sum(send_counts[b][j] * sum(widths[b]) for b in range(len(blocks))) for j in range(n)]
+    r_bytes = [sum(recv_counts[b][j] * sum(widths[b]) for b in range(len(blocks))) for j in range(n)]
     send, recv = wire_buffers(group, sum(s_bytes), sum(r_bytes), device)
     if pieces:
         torch.cat(pieces, out=send)
     dist.all_to_all_single(recv, send, r_bytes, s_bytes, group=group)
-    chunks: List[List[List[torch.Tensor]]] = [[[], []] for _ in parts]
+    chunks: List[List[List[torch.Tensor]]] = [[[] for _ in block] for block in blocks]
     pos = 0
     for j in range(n):
-        for t, (wi, wv) in enumerate(widths):
-            c = recv_counts[t][j]
-            chunks[t][0].append(recv[pos:pos + c * wi])
-            pos += c * wi
-            chunks[t][1].append(recv[pos:pos + c * wv])
-            pos += c * wv
-    out = []  # torch.cat copies: nothing returned aliases the reused receive buffer
-    for (ids, values), (ci, cv) in zip(parts, chunks):
-        out.append((torch.cat(ci).view(ids.dtype), torch.cat(cv).view(values.dtype).view(-1, *values.shape[1:])))
-    return out
+        for b, wb in enumerate(widths):
+            c = recv_counts[b][j]
+            for i, w in enumerate(wb):
+                chunks[b][i].append(recv[pos:pos + c * w])
+                pos += c * w
+    return [[torch.cat(ch).view(t.dtype).view(-1, *t.shape[1:]) for ch, t in zip(cb, block)]
+            for cb, block in zip(chunks, blocks)]
 
 
 def push_to_owners(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist.ProcessGroup], *,
@@ -261,13 +233,11 @@ def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
         counts = exchange_counts(torch.full((n,), ids.shape[0], dtype=torch.int64), group, device, stats,
                                  peer_node)
         counts = check_counts(counts, max_rows if max_rows is not None else 2**62, "rows to share")
-    # The same rows go to every peer: pack them once and repeat, so one
-    # all-to-all sends exact sizes (no padding to the largest rank).
+    # The same rows go to every peer, at their exact sizes (no padding to the largest rank).
     wire = ids.to(wire_ids)
-    packed = torch.cat([_as_bytes(wire.to(device)), _as_bytes(values.to(device))])
-    row_bytes = [wire.element_size(), math.prod(values.shape[1:]) * values.element_size()]
-    parts = _exchange_packed(packed.repeat(n), [ids.shape[0]] * n, list(counts), row_bytes, group, device, stats,
-                             peer_node)
-    out_ids = parts[0].view(wire_ids)
-    out_values = parts[1].view(values.dtype).view(-1, *values.shape[1:])
+    per_row = wire.element_size() + _row_bytes(values)
+    me = dist.get_rank(group)
+    count_bytes(stats, [ids.shape[0] * per_row] * n, [c * per_row for c in counts], me, peer_node)
+    out_ids, out_values = exchange_tables([[wire, values]], [[ids.shape[0]] * n], [list(counts)], [True], group,
+                                          device)[0]
     return kernel_ids(out_ids.to(ids.device)), out_values.to(values.device)

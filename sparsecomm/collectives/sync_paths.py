@@ -167,9 +167,10 @@ def _pull(owned, errors, tables: List[Rows], peers: List[Peers], plan: SyncPlan
                 raise ValueError(f"sparse_allreduce: owner rank {r} received row ids outside [0, {t.num_rows}) "
                                  f"(inconsistent data between ranks); nothing was shared")
             # An owner holds at most the rows pushed to it, and no more than the table.
-            if c < 0 or c > min(t.num_rows, sum(p.push[i][r] for i in range(n))):
+            pushed = sum(p.push[i][r] for i in range(n))
+            if c < 0 or c > min(t.num_rows, pushed):
                 raise ValueError(f"sparse_allreduce: owner rank {r} announced {c} summed rows, inconsistent with "
-                                 f"the {sum(p.push[i][r] for i in range(n))} rows pushed to it; nothing was shared")
+                                 f"the {pushed} rows pushed to it; nothing was shared")
         recv_counts.append(counts)
     send_parts = [(ids.to(t.wire_ids), values) for (ids, values), t in zip(owned, tables)]
     send_counts = [[ids.shape[0]] * n for ids, _ in owned]

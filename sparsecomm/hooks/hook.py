@@ -99,7 +99,11 @@ def _sparse_bucket(state: SparseCommState, bucket: dist.GradBucket, grad: torch.
             state._empty_sparse.append(params[0])
         return out
 
-    item = _Pending(name, grad, method, method.value, state.next_call(name), finish)
+    return _hold(state, _Pending(name, grad, method, method.value, state.next_call(name), finish))
+
+
+def _hold(state: SparseCommState, item: _Pending) -> torch.futures.Future:
+    """Keep ``item`` for the step's fused sync; its future completes when that sync does."""
     state._pending.append(item)
     state._step_futures.append(item.future)
     return item.future
@@ -166,12 +170,10 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
         # rank sends to every rank: no collective of its own.
         row = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long, device=buffer.device), buffer.view(1, -1),
                                       (1, buffer.numel()), is_coalesced=True, check_invariants=False)
-        item = _Pending(f"bucket{bucket.index()}", row, SyncMethod.ALLGATHER, DENSE_FUSED, 0,
-                        lambda out: _finish_dense(state, buffer.copy_(out._values().view(-1)), bucket, None, start),
-                        decide=False)
-        state._pending.append(item)
-        state._step_futures.append(item.future)
-        return item.future
+        return _hold(state, _Pending(f"bucket{bucket.index()}", row, SyncMethod.ALLGATHER, DENSE_FUSED, 0,
+                                     lambda out: _finish_dense(state, buffer.copy_(out._values().view(-1)), bucket,
+                                                               None, start),
+                                     decide=False))
     if not slices:
         fut = allreduce_mean_async(buffer, group, state.compression)
         wire = COMPRESSION_DTYPES[state.compression]
@@ -187,11 +189,9 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
             rest_parts.append((cursor, offset))
         cursor = offset + num_rows * dim
         table = buffer[offset:cursor].view(num_rows, dim)
-        item = _Pending(name, nonzero_rows(table), SyncMethod.PARTITIONED, SPARSE_ROWS, state.next_call(name),
-                        lambda out, table=table: write_rows(table, out), decide=False)
-        state._pending.append(item)
-        state._step_futures.append(item.future)
-        futs.append(item.future)
+        futs.append(_hold(state, _Pending(name, nonzero_rows(table), SyncMethod.PARTITIONED, SPARSE_ROWS,
+                                          state.next_call(name), lambda out, table=table: write_rows(table, out),
+                                          decide=False)))
     if cursor < buffer.numel():
         rest_parts.append((cursor, buffer.numel()))
     rest = torch.cat([buffer[a:b] for a, b in rest_parts]) if rest_parts else buffer.new_zeros(0)
