@@ -7,6 +7,9 @@
 // threads keep going.
 #include <pybind11/pybind11.h>
 
+#include <memory>
+#include <vector>
+
 #include "ops.h"
 
 namespace py = pybind11;
@@ -20,6 +23,7 @@ T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
 struct CoalescePlan {
   RowGroups groups;
   IndexType index_type;
+  std::vector<const void*> rows;  // value row addresses (plans over a receive buffer's segments)
 };
 
 }  // namespace
@@ -51,6 +55,65 @@ PYBIND11_MODULE(_C, m) {
         py::arg("plan"), py::arg("values"), py::arg("value_code"), py::arg("d"), py::arg("out_ids"),
         py::arg("out_values"), py::arg("threads"),
         "Write the plan's unique ids and each group's row sum.");
+
+  m.def("coalesce_partition_apply",
+        [](const CoalescePlan& plan, uintptr_t values, int value_code, int64_t d, int scheme, int64_t num_owners,
+           int64_t range_size, int64_t stride, uintptr_t counts, uintptr_t out_ids, uintptr_t out_values,
+           int threads) {
+          const ValueType vt = to_value_type(value_code);
+          const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
+          py::gil_scoped_release release;
+          coalesce_partition_apply(plan.groups, ptr(values), vt, d, map, ptr<int64_t>(counts), ptr(out_ids),
+                                   plan.index_type, ptr(out_values), threads);
+        },
+        py::arg("plan"), py::arg("values"), py::arg("value_code"), py::arg("d"), py::arg("scheme"),
+        py::arg("num_owners"), py::arg("range_size"), py::arg("stride"), py::arg("counts"), py::arg("out_ids"),
+        py::arg("out_values"), py::arg("threads"),
+        "Write the plan's unique ids and sums grouped by owner (owner order, ascending ids inside).");
+
+  m.def("coalesce_segments_plan",
+        [](uintptr_t buffer, int64_t buffer_bytes, int64_t nseg, uintptr_t counts, uintptr_t id_offsets,
+           uintptr_t value_offsets, int id_bytes, size_t row_bytes, size_t value_align, int64_t num_rows,
+           int out_index_code, int threads) {
+          auto plan = std::make_unique<CoalescePlan>();
+          plan->index_type = to_index_type(out_index_code);
+          py::gil_scoped_release release;
+          plan->groups = group_segment_rows(ptr(buffer), buffer_bytes, nseg, ptr<const int64_t>(counts),
+                                            ptr<const int64_t>(id_offsets), ptr<const int64_t>(value_offsets),
+                                            id_bytes, row_bytes, value_align, num_rows, threads, plan->rows);
+          return plan;
+        },
+        py::arg("buffer"), py::arg("buffer_bytes"), py::arg("nseg"), py::arg("counts"), py::arg("id_offsets"),
+        py::arg("value_offsets"), py::arg("id_bytes"), py::arg("row_bytes"), py::arg("value_align"),
+        py::arg("num_rows"), py::arg("out_index_code"), py::arg("threads"),
+        "Group the ids of rows spread over segments of one byte buffer.");
+
+  m.def("coalesce_segments_apply",
+        [](const CoalescePlan& plan, int value_code, int64_t d, uintptr_t out_ids, uintptr_t out_values, bool out_acc,
+           int threads) {
+          const ValueType vt = to_value_type(value_code);
+          if (static_cast<int64_t>(plan.rows.size()) != static_cast<int64_t>(plan.groups.order.size()))
+            throw std::invalid_argument("sparsecomm: not a plan over buffer segments");
+          py::gil_scoped_release release;
+          coalesce_segments_apply(plan.groups, plan.rows, vt, d, ptr(out_ids), plan.index_type, ptr(out_values),
+                                  out_acc, threads);
+        },
+        py::arg("plan"), py::arg("value_code"), py::arg("d"), py::arg("out_ids"), py::arg("out_values"),
+        py::arg("out_acc"), py::arg("threads"),
+        "Write the unique ids and row sums of a segment plan (out_acc: in the accumulator type).");
+
+  m.def("pack_rows",
+        [](uintptr_t src, int64_t src_rows, size_t src_row_bytes, uintptr_t index, int index_code, int64_t index_len,
+           int64_t nseg, uintptr_t segments, uintptr_t dst, int64_t dst_bytes, int wire_id_bytes, int threads) {
+          const IndexType it = to_index_type(index_code);
+          py::gil_scoped_release release;
+          pack_rows(ptr(src), src_rows, src_row_bytes, ptr(index), it, index_len, nseg, ptr<const int64_t>(segments),
+                    ptr(dst), dst_bytes, wire_id_bytes, threads);
+        },
+        py::arg("src"), py::arg("src_rows"), py::arg("src_row_bytes"), py::arg("index"), py::arg("index_code"),
+        py::arg("index_len"), py::arg("nseg"), py::arg("segments"), py::arg("dst"), py::arg("dst_bytes"),
+        py::arg("wire_id_bytes"), py::arg("threads"),
+        "Copy (indexed) rows into segments of a byte buffer; index may be 0 (rows in order).");
 
   m.def("partition_rows",
         [](uintptr_t ids, int index_code, int64_t n, int64_t num_rows, uintptr_t values, size_t row_bytes, int scheme,

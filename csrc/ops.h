@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "common.h"
 #include "row_groups.h"
@@ -29,6 +30,40 @@ int64_t row_owner(int64_t id, const OwnerMap& map);
 // Writes the sorted unique ids of `groups` to out_ids and their row sums to out_values.
 void coalesce_apply(const RowGroups& groups, const void* values, ValueType vt, int64_t d, void* out_ids,
                     IndexType it, void* out_values, int threads);
+
+// coalesce_apply, then rows grouped by owner: counts[o] rows per owner, owner
+// order, ascending ids inside an owner; exactly partition_rows(coalesce(...)),
+// with the sums written once, straight to their partitioned position.
+void coalesce_partition_apply(const RowGroups& groups, const void* values, ValueType vt, int64_t d,
+                              const OwnerMap& map, int64_t* counts, void* out_ids, IndexType it, void* out_values,
+                              int threads);
+
+// Rows scattered over `nseg` segments of one byte buffer (a receive buffer:
+// each peer's ids and value rows). Segment s holds counts[s] ids of `id_bytes`
+// (2, 4 or 8) at byte id_offsets[s] and their value rows of `row_bytes` at
+// value_offsets[s]. Checks every segment lies inside the buffer and is aligned
+// for its type, gathers the ids (checked in [0, num_rows)) and groups them;
+// `rows` receives the address of every value row, in segment order.
+RowGroups group_segment_rows(const void* buffer, int64_t buffer_bytes, int64_t nseg, const int64_t* counts,
+                             const int64_t* id_offsets, const int64_t* value_offsets, int id_bytes,
+                             size_t row_bytes, size_t value_align, int64_t num_rows, int threads,
+                             std::vector<const void*>& rows);
+
+// Sums of each group of group_segment_rows, as coalesce_apply; out_acc: write
+// the accumulator type (float32 for fp16/bf16) instead of the value type.
+void coalesce_segments_apply(const RowGroups& groups, const std::vector<const void*>& rows, ValueType vt,
+                             int64_t d, void* out_ids, IndexType it, void* out_values, bool out_acc, int threads);
+
+// Copies rows into a byte buffer at given places (packing a send buffer).
+// Segment s (segments[3s .. 3s+2] = start, count, byte offset) copies source
+// rows index[start .. start+count) (rows start.. when index is null) to
+// dst + offset, back to back. Rows are `src_row_bytes` of raw bytes, unless
+// `wire_id_bytes` > 0: then each source row is one id of src_row_bytes (4 or
+// 8) written as a signed integer of wire_id_bytes (2, 4 or 8), which it must
+// fit. Every index, segment and id is checked before anything is written.
+void pack_rows(const void* src, int64_t src_rows, size_t src_row_bytes, const void* index, IndexType it,
+               int64_t index_len, int64_t nseg, const int64_t* segments, void* dst, int64_t dst_bytes,
+               int wire_id_bytes, int threads);
 
 void partition_rows(const void* ids, IndexType it, int64_t n, int64_t num_rows, const void* values,
                     size_t row_bytes, const OwnerMap& map, int64_t* counts, void* out_ids, void* out_values, int64_t* perm,

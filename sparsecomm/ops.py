@@ -1,8 +1,10 @@
-"""Typed, validated row kernels: coalesce, partition by owner, gather, scatter-add.
+"""Typed, validated row kernels: coalesce, partition by owner, gather, scatter-add, packing.
 
-The only module that imports the compiled kernels. CPU tensors run the C++
-(OpenMP) kernels in ``sparsecomm._C``; CUDA tensors run the CUDA kernels in
-``csrc/cuda`` through CuPy on torch's current stream (``sparsecomm._cuda``).
+The public face of the operators registered in :mod:`sparsecomm._library`
+(``torch.ops.sparsecomm.*``): these functions validate, then call the op, and
+PyTorch's dispatcher runs the C++ (OpenMP) kernel for CPU tensors or the CUDA
+kernel (CuPy, torch's current stream) for CUDA tensors. Both work under
+``torch.compile(fullgraph=True)``: the ops have fake implementations.
 
 Every function checks its arguments and raises ``TypeError`` (wrong type or
 dtype) or ``ValueError`` (shape, contiguity, device, out-of-range id) naming the
@@ -16,11 +18,11 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from sparsecomm import _C
+from sparsecomm import _library
 
 __all__ = [
     "INDEX_DTYPES",
@@ -31,12 +33,13 @@ __all__ = [
     "row_owners",
     "gather_rows",
     "scatter_add_rows",
+    "coalesce_partition_rows",
+    "pack_rows",
+    "coalesce_segments",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 VALUE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_INDEX_CODE = {torch.int32: 0, torch.int64: 1}
-_VALUE_CODE = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 _SCHEMES = {"hash": 0, "range": 1}
 
 
@@ -48,13 +51,14 @@ class Partition(NamedTuple):
         ids: the ids, permuted so each owner's rows are contiguous (owner order,
             input order inside an owner).
         values: the value rows permuted the same way, or None.
-        perm: ``(n,)`` int64 with ``ids == input_ids[perm]``.
+        perm: ``(n,)`` int64 with ``ids == input_ids[perm]``; None from
+            :func:`coalesce_partition_rows` (its rows are sums, not input rows).
     """
 
     counts: torch.Tensor
     ids: torch.Tensor
     values: Optional[torch.Tensor]
-    perm: torch.Tensor
+    perm: Optional[torch.Tensor]
 
 
 # ---------------------------------------------------------------- validation
@@ -113,43 +117,8 @@ def _check_num_rows(num_rows) -> int:
     return n
 
 
-def _byte_span(t: torch.Tensor) -> Tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _check_no_overlap(table: torch.Tensor, other: torch.Tensor, name: str) -> None:
-    # Both are contiguous, so their bytes are exactly these spans.
-    if table.numel() == 0 or other.numel() == 0:
-        return
-    (a0, a1), (b0, b1) = _byte_span(table), _byte_span(other)
-    if a0 < b1 and b0 < a1:
-        raise ValueError(f"{name} overlaps table's memory: the kernel would read what it is writing")
-
-
 def _row_width(values: torch.Tensor) -> int:
     return math.prod(values.shape[1:])
-
-
-def _threads() -> int:
-    return torch.get_num_threads()
-
-
-def _check_cuda_ids(ids: torch.Tensor, num_rows: Optional[int], name: str = "ids") -> None:
-    # The CUDA kernels trust their ids; one reduction here keeps them in bounds.
-    if ids.numel() == 0:
-        return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or (num_rows is not None and hi >= num_rows):
-        bad = lo if lo < 0 else hi
-        bound = "inf" if num_rows is None else str(num_rows)
-        raise ValueError(f"sparsecomm: {name} contains id {bad} outside [0, {bound})")
-
-
-def _cuda():
-    from sparsecomm import _cuda
-
-    return _cuda
 
 
 # ------------------------------------------------------------------- kernels
@@ -183,17 +152,8 @@ def coalesce_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: Optional[in
     _check_ids(ids)
     _check_values(values, "values", ids.shape[0], ids.device)
     bound = _check_num_rows(num_rows)
-    if ids.is_cuda:
-        _check_cuda_ids(ids, num_rows)
-        out_ids, sums = _cuda().coalesce_rows(ids, values.reshape(ids.shape[0], _row_width(values)))
-        return out_ids, sums.view((out_ids.shape[0], *values.shape[1:]))
-    plan = _C.coalesce_plan(ids.data_ptr(), _INDEX_CODE[ids.dtype], ids.shape[0], bound, _threads())
-    u = plan.num_unique
-    out_ids = torch.empty(u, dtype=ids.dtype)
-    out_values = torch.empty((u, *values.shape[1:]), dtype=values.dtype)
-    _C.coalesce_apply(plan, values.data_ptr(), _VALUE_CODE[values.dtype], _row_width(values),
-                      out_ids.data_ptr(), out_values.data_ptr(), _threads())
-    return out_ids, out_values
+    out_ids, sums = torch.ops.sparsecomm.coalesce(ids, values.reshape(ids.shape[0], _row_width(values)), bound)
+    return out_ids, sums.view((out_ids.shape[0], *values.shape[1:]))
 
 
 def _owner_map(num_owners: int, scheme: str, num_rows: Optional[int], range_size: Optional[int], stride: int):
@@ -245,25 +205,39 @@ def partition_rows(ids: torch.Tensor, values: Optional[torch.Tensor], num_owners
         _check_values(values, "values", ids.shape[0], ids.device)
     bound = _check_num_rows(num_rows)
     scheme_code, range_size = _owner_map(num_owners, scheme, num_rows, range_size, stride)
-    if ids.is_cuda:
-        _check_cuda_ids(ids, num_rows)
-        flat = None if values is None else values.reshape(ids.shape[0], _row_width(values))
-        counts, out_ids, out_values, perm = _cuda().partition_rows(ids, flat, num_owners, scheme_code,
-                                                                   range_size, stride)
-        if out_values is not None:
-            out_values = out_values.view(values.shape)
-        return Partition(counts, out_ids, out_values, perm)
-    n = ids.shape[0]
-    counts = torch.empty(num_owners, dtype=torch.int64)
-    out_ids = torch.empty_like(ids)
-    perm = torch.empty(n, dtype=torch.int64)
-    out_values = None if values is None else torch.empty_like(values)
-    row_bytes = 0 if values is None else _row_width(values) * values.element_size()
-    _C.partition_rows(ids.data_ptr(), _INDEX_CODE[ids.dtype], n, bound,
-                      0 if values is None else values.data_ptr(), row_bytes, scheme_code, num_owners,
-                      range_size, stride, counts.data_ptr(), out_ids.data_ptr(),
-                      0 if out_values is None else out_values.data_ptr(), perm.data_ptr(), _threads())
-    return Partition(counts, out_ids, out_values, perm)
+    flat = None if values is None else values.reshape(ids.shape[0], _row_width(values))
+    counts, out_ids, out_values, perm = torch.ops.sparsecomm.partition(ids, flat, bound, num_owners, scheme_code,
+                                                                       range_size, stride)
+    return Partition(counts, out_ids, None if values is None else out_values.view(values.shape), perm)
+
+
+def coalesce_partition_rows(ids: torch.Tensor, values: torch.Tensor, num_owners: int, scheme: str = "hash",
+                            num_rows: Optional[int] = None, *, range_size: Optional[int] = None, stride: int = 1
+                            ) -> Partition:
+    """Coalesce rows and group the sums by owner, in one pass over the values.
+
+    The same result as ``partition_rows(*coalesce_rows(ids, values, num_rows),
+    num_owners, ...)`` (bitwise), without writing the sums twice: each sum is
+    written once, straight to its owner's place.
+
+    Args:
+        ids, values, num_rows: as for :func:`coalesce_rows`.
+        num_owners, scheme, range_size, stride: the owner map of :func:`partition_rows`.
+
+    Returns:
+        A :class:`Partition` whose ``ids`` are unique (ascending inside each
+        owner), ``values`` their sums, and ``perm`` None.
+
+    Raises:
+        TypeError, ValueError: as for :func:`coalesce_rows` and :func:`partition_rows`.
+    """
+    _check_ids(ids)
+    _check_values(values, "values", ids.shape[0], ids.device)
+    bound = _check_num_rows(num_rows)
+    scheme_code, range_size = _owner_map(num_owners, scheme, num_rows, range_size, stride)
+    counts, out_ids, sums = torch.ops.sparsecomm.coalesce_partition(
+        ids, values.reshape(ids.shape[0], _row_width(values)), bound, num_owners, scheme_code, range_size, stride)
+    return Partition(counts, out_ids, sums.view((out_ids.shape[0], *values.shape[1:])), None)
 
 
 def row_owners(ids: torch.Tensor, num_owners: int, scheme: str = "hash", num_rows: Optional[int] = None, *,
@@ -295,15 +269,8 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """
     _check_ids(ids)
     _check_values(table, "table", None, ids.device)
-    num_rows = table.shape[0]
-    if ids.is_cuda:
-        _check_cuda_ids(ids, num_rows)
-        flat = table.reshape(num_rows, _row_width(table))
-        return _cuda().gather_rows(flat, ids).view((ids.shape[0], *table.shape[1:]))
-    out = torch.empty((ids.shape[0], *table.shape[1:]), dtype=table.dtype)
-    _C.gather_rows(table.data_ptr(), num_rows, _row_width(table) * table.element_size(), ids.data_ptr(),
-                   _INDEX_CODE[ids.dtype], ids.shape[0], out.data_ptr(), _threads())
-    return out
+    flat = table.reshape(table.shape[0], _row_width(table))
+    return torch.ops.sparsecomm.gather(flat, ids).view((ids.shape[0], *table.shape[1:]))
 
 
 def scatter_add_rows(table: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -343,22 +310,125 @@ def scatter_add_rows(table: torch.Tensor, ids: torch.Tensor, values: torch.Tenso
     if values.shape[1:] != table.shape[1:]:
         raise ValueError(f"values rows have shape {tuple(values.shape[1:])} but table rows have "
                          f"{tuple(table.shape[1:])}")
-    _check_no_overlap(table, values, "values")
-    _check_no_overlap(table, ids, "ids")
-    base = table._base if table._base is not None else table  # a no_grad view of a leaf counts as the leaf
+    # a no_grad view of a leaf counts as the leaf
+    base = table if torch.compiler.is_compiling() or table._base is None else table._base
     if torch.is_grad_enabled() and (table.requires_grad or base.requires_grad or values.requires_grad):
         which = "values" if values.requires_grad and not (table.requires_grad or base.requires_grad) else "table"
         raise RuntimeError(f"scatter_add_rows is not differentiable but {which} requires grad: a leaf that "
                            f"requires grad cannot be updated in place, and a gradient through the update would "
                            f"be wrong; call it under torch.no_grad()")
-    num_rows = table.shape[0]
-    if ids.is_cuda:
-        _check_cuda_ids(ids, num_rows)
-        width = _row_width(table)
-        _cuda().scatter_add_rows(table.view(num_rows, width), ids, values.reshape(ids.shape[0], width))
-    else:
-        _C.scatter_add_rows(table.data_ptr(), num_rows, _VALUE_CODE[table.dtype], _row_width(table),
-                            ids.data_ptr(), _INDEX_CODE[ids.dtype], ids.shape[0], values.data_ptr(), _threads())
-    # Written through a raw pointer: tell autograd, as an in-place op would.
-    torch.autograd.graph.increment_version(table)
+    width = _row_width(table)
+    # The op declares that it writes `table`: the dispatcher bumps its version as for any in-place op.
+    torch.ops.sparsecomm.scatter_add_(table.view(table.shape[0], width), ids, values.reshape(ids.shape[0], width))
     return table
+
+
+# ------------------------------------------------------ wire buffers (fused)
+
+
+def _check_buffer(buffer, name: str) -> None:
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buffer).__name__}")
+    _check_device(buffer, name)
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D uint8 tensor, got {buffer.dtype} {tuple(buffer.shape)}")
+
+
+def _wire_id_bytes(dtype: torch.dtype, name: str) -> int:
+    sizes = {torch.int16: 2, torch.int32: 4, torch.int64: 8}
+    if dtype not in sizes:
+        raise TypeError(f"{name} must be int16, int32 or int64, got {dtype}")
+    return sizes[dtype]
+
+
+def pack_rows(buffer: torch.Tensor, src: torch.Tensor, index: Optional[torch.Tensor],
+              segments: Sequence[Tuple[int, int, int]], wire_ids: Optional[torch.dtype] = None) -> None:
+    """Copy rows of ``src`` straight into their places in a byte buffer (one copy, no staging).
+
+    Segment ``(start, count, offset)`` copies rows ``index[start:start+count]``
+    of ``src`` (rows ``start:start+count`` when ``index`` is None) back to back
+    to ``buffer[offset:]``. This is how a send buffer is packed: a partition's
+    ``perm`` as ``index`` and one segment per peer packs partitioned rows
+    without materializing them first.
+
+    Args:
+        buffer: 1-D uint8 destination, same device as ``src``.
+        src: ``(n, *row_shape)`` rows of any dtype, or ``(n,)`` int32/int64 ids
+            when ``wire_ids`` is given.
+        index: optional ``(m,)`` int32/int64 rows of ``src`` in ``[0, n)``.
+        segments: ``(start, count, byte_offset)`` triples.
+        wire_ids: write ids as this dtype (int16/int32/int64); each must fit.
+
+    Raises:
+        TypeError, ValueError: bad arguments, an index or id out of range, or a
+            segment outside ``src``/``index`` or ``buffer`` (nothing is written).
+    """
+    _check_buffer(buffer, "buffer")
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"src must be a torch.Tensor, got {type(src).__name__}")
+    _check_device(src, "src")
+    if src.device != buffer.device:
+        raise ValueError(f"src is on {src.device} but buffer is on {buffer.device}")
+    if not src.is_contiguous() or src.dim() < 1:
+        raise ValueError("src must be contiguous with a leading row dimension")
+    if index is not None:
+        _check_ids(index, "index")
+        if index.device != buffer.device:
+            raise ValueError(f"index is on {index.device} but buffer is on {buffer.device}")
+    wire = 0
+    if wire_ids is not None:
+        if src.dtype not in INDEX_DTYPES or src.dim() != 1:
+            raise TypeError(f"with wire_ids, src must be 1-D int32/int64 ids, got {src.dtype} {tuple(src.shape)}")
+        wire = _wire_id_bytes(wire_ids, "wire_ids")
+    flat = [int(v) for seg in segments for v in seg]
+    if len(flat) != 3 * len(segments):
+        raise ValueError("segments must be (start, count, byte_offset) triples")
+    rows = src if src.dim() == 1 else src.reshape(src.shape[0], _row_width(src))
+    torch.ops.sparsecomm.pack_rows_(buffer, rows, index, flat, wire)
+
+
+def coalesce_segments(buffer: torch.Tensor, segments: Sequence[Tuple[int, int, int]], wire_ids: torch.dtype,
+                      value_dtype: torch.dtype, row_shape: Sequence[int], num_rows: Optional[int] = None, *,
+                      ids_dtype: torch.dtype = torch.int64, accumulate_dtype: bool = False
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Coalesce rows straight out of a byte buffer holding several segments (a receive buffer).
+
+    Segment ``(count, id_offset, value_offset)`` holds ``count`` ids of
+    ``wire_ids`` at byte ``id_offset`` and their value rows at byte
+    ``value_offset``. The result is :func:`coalesce_rows` of all segments'
+    rows concatenated in order (summed in that order, so deterministic),
+    without first copying them out of the buffer.
+
+    Args:
+        buffer: 1-D uint8 tensor; every segment must lie inside it, aligned to
+            its element size.
+        segments: ``(count, id_byte_offset, value_byte_offset)`` triples.
+        wire_ids: dtype of the ids in the buffer: int16, int32 or int64.
+        value_dtype: dtype of the value rows (one of :data:`VALUE_DTYPES`).
+        row_shape: shape of one value row.
+        num_rows: ids must lie in ``[0, num_rows)`` (checked: they came from peers).
+        ids_dtype: dtype of the returned ids (int32 or int64).
+        accumulate_dtype: return the sums in float32 for fp16/bf16 rows (not
+            rounded), for a caller that divides before rounding.
+
+    Returns:
+        ``(unique_ids, sums)`` as for :func:`coalesce_rows`.
+
+    Raises:
+        TypeError, ValueError: bad arguments, a segment outside the buffer or
+            misaligned, or an id out of range.
+    """
+    _check_buffer(buffer, "buffer")
+    id_bytes = _wire_id_bytes(wire_ids, "wire_ids")
+    if value_dtype not in VALUE_DTYPES:
+        raise TypeError(f"value_dtype must be float32, float64, float16 or bfloat16, got {value_dtype}")
+    if ids_dtype not in INDEX_DTYPES:
+        raise TypeError(f"ids_dtype must be int32 or int64, got {ids_dtype}")
+    bound = _check_num_rows(num_rows)
+    flat = [int(v) for seg in segments for v in seg]
+    if len(flat) != 3 * len(segments):
+        raise ValueError("segments must be (count, id_byte_offset, value_byte_offset) triples")
+    d = math.prod(row_shape)
+    ids, sums = torch.ops.sparsecomm.coalesce_segments(buffer, flat, id_bytes, value_dtype, d, bound, ids_dtype,
+                                                       bool(accumulate_dtype))
+    return ids, sums.view((ids.shape[0], *row_shape))

@@ -1,0 +1,74 @@
+// pack rows: copy rows, optionally through an index, straight into their
+// places in a byte buffer (a send buffer), converting ids to their wire width.
+#include <cstring>
+#include <string>
+
+#include "ops.h"
+
+namespace sparsecomm {
+
+namespace {
+
+template <typename W>
+void pack_ids_as(const void* src, size_t src_bytes, const void* index, IndexType it, int64_t start, int64_t count,
+                 char* dst, int threads) {
+  W* out = reinterpret_cast<W*>(dst);
+  const IndexType st = src_bytes == 4 ? IndexType::kInt32 : IndexType::kInt64;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t row = index ? load_id(index, it, start + r) : start + r;
+    const W v = static_cast<W>(load_id(src, st, row));
+    std::memcpy(out + r, &v, sizeof(W));  // the buffer may be unaligned for W
+  }
+}
+
+}  // namespace
+
+void pack_rows(const void* src, int64_t src_rows, size_t src_row_bytes, const void* index, IndexType it,
+               int64_t index_len, int64_t nseg, const int64_t* segments, void* dst, int64_t dst_bytes,
+               int wire_id_bytes, int threads) {
+  threads = clamp_threads(threads);
+  if (src_rows < 0 || dst_bytes < 0 || nseg < 0) throw std::invalid_argument("sparsecomm: negative size");
+  if (wire_id_bytes != 0) {
+    if (src_row_bytes != 4 && src_row_bytes != 8) throw std::invalid_argument("sparsecomm: ids must be int32 or int64");
+    if (wire_id_bytes != 2 && wire_id_bytes != 4 && wire_id_bytes != 8)
+      throw std::invalid_argument("sparsecomm: wire ids must be 2, 4 or 8 bytes");
+  }
+  const int64_t rows_available = index ? index_len : src_rows;
+  if (index) check_ids(index, it, index_len, src_rows, threads, "index");
+  const int64_t dst_row = wire_id_bytes ? wire_id_bytes : static_cast<int64_t>(src_row_bytes);
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t start = segments[3 * s], count = segments[3 * s + 1], offset = segments[3 * s + 2];
+    if (start < 0 || count < 0 || start > rows_available || count > rows_available - start)
+      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + " reads rows outside the source");
+    if (offset < 0 || offset > dst_bytes || (dst_row && count > (dst_bytes - offset) / dst_row))
+      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + " writes outside the buffer");
+  }
+  if (wire_id_bytes) {
+    const IdRange r = id_range(src, src_row_bytes == 4 ? IndexType::kInt32 : IndexType::kInt64, src_rows, threads);
+    const int64_t hi = wire_id_bytes == 8 ? INT64_MAX : (int64_t{1} << (8 * wire_id_bytes - 1)) - 1;
+    if (src_rows > 0 && (r.min < -hi - 1 || r.max > hi))
+      throw std::invalid_argument("sparsecomm: id " + std::to_string(r.max > hi ? r.max : r.min) +
+                                  " does not fit in " + std::to_string(wire_id_bytes) + " wire bytes");
+  }
+  if (dst_row == 0) return;
+  char* out = static_cast<char*>(dst);
+  const char* in = static_cast<const char*>(src);
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t start = segments[3 * s], count = segments[3 * s + 1];
+    char* base = out + segments[3 * s + 2];
+    if (count == 0) continue;
+    if (wire_id_bytes == 2) pack_ids_as<int16_t>(src, src_row_bytes, index, it, start, count, base, threads);
+    else if (wire_id_bytes == 4) pack_ids_as<int32_t>(src, src_row_bytes, index, it, start, count, base, threads);
+    else if (wire_id_bytes == 8) pack_ids_as<int64_t>(src, src_row_bytes, index, it, start, count, base, threads);
+    else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t r = 0; r < count; ++r) {
+        const int64_t row = index ? load_id(index, it, start + r) : start + r;
+        std::memcpy(base + r * src_row_bytes, in + row * src_row_bytes, src_row_bytes);
+      }
+    }
+  }
+}
+
+}  // namespace sparsecomm
