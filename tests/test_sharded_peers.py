@@ -29,7 +29,7 @@ from distributed import expect_value_error, run_ranks
 WORLD = 3
 BAD = 2            # the rank that corrupts what it sends
 V, D = 30, 4
-META_STATUS, META_NUM_LOCAL, META_COUNTS = 0, 2, 7  # columns of a metadata row (fingerprint: 3..6)
+META_STATUS, META_NUM_LOCAL, META_COUNTS = 0, 4, 9  # columns of a metadata row (round 2, looked-up flag 3, fingerprint 5..8)
 
 
 class Corrupt:

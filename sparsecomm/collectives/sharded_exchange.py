@@ -1,25 +1,29 @@
 """Exchanges of the sharded (parameter-server) embedding: request rows, return rows, push gradients.
 
-One lookup on N ranks (docs/DESIGN.md, "Sharded mode"):
+One lookup round on N ranks covers any number of tables (docs/DESIGN.md,
+"Sharded mode"), always in the same four all-to-alls:
 
 1. :func:`request_rows`: every rank sends each owner the ids it needs from it.
    A small all-to-all of metadata goes first: each rank sends every peer the
-   same row (input-status code, its number of owned rows, the table's
-   fingerprint and its whole vector of row counts), so every rank holds every
-   rank's row and validates the same numbers. A bad id, a mismatched call or
-   an impossible count on any rank raises ``ValueError`` on *every* rank
-   before any id moves or any buffer is sized from a peer's count, instead of
-   one rank raising while the others wait in the next collective. The owners
-   then check the ids they receive (inside the table and owned by them).
-2. :func:`pull_rows` (owner -> requester): owners send the rows back, in the
-   order they were asked for, each peer's rows behind a one-row header that
-   says whether this owner accepted the ids it was sent. An owner that
-   refused sends no table rows and every rank raises ``ValueError``: the
-   verdict rides on this all-to-all, so it costs no extra collective.
-3. :func:`exchange_rows` (requester -> owner), in backward: the gradient rows
-   travel the same routes reversed; the ids need not travel again.
+   same row (input-status code, round number, and per table: whether it
+   looked the table up, its number of owned rows, the table's fingerprint and
+   its whole vector of row counts), so every rank holds every rank's row and
+   validates the same numbers. A bad id, a mismatched call or an impossible
+   count on any rank raises ``ValueError`` on *every* rank before any id moves
+   or any buffer is sized from a peer's count, instead of one rank raising
+   while the others wait in the next collective. Then every table's ids
+   travel in one all-to-all, and the owners check the ids they receive
+   (inside the table and owned by them).
+2. :func:`pull_rows` (owner -> requester): owners send every table's rows
+   back in one all-to-all, in the order they were asked for, each peer's rows
+   behind one int64 that says whether this owner accepted the ids it was
+   sent. An owner that refused sends no table rows and every rank raises
+   ``ValueError``: the verdict rides on this all-to-all, so it costs no extra collective.
+3. :func:`exchange_rows` (requester -> owner), in backward: every table's
+   gradient rows travel the same routes reversed, in one all-to-all; the ids
+   need not travel again.
 
-The bytes go through :func:`sparsecomm.collectives.exchange.all_to_all_rows`.
+The bytes go through :mod:`sparsecomm.collectives.exchange` (one packing path).
 Tables talk over a dedicated twin of the caller's group (:func:`sharded_group`)
 so their synchronous all-to-alls never interleave with DDP's asynchronous
 allreduces on the default group, which run during the same backward pass.
@@ -28,25 +32,74 @@ A ``group`` of None here means "no peers": everything stays local.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.exchange import all_to_all_rows, allgather_rows, wire_index_dtype
+from sparsecomm.collectives.exchange import (all_to_all_rows, allgather_rows, count_bytes, exchange_tables,
+                                            wire_index_dtype)
 from sparsecomm.collectives.groups import comm_device, twin_group
 from sparsecomm.types import SparseSyncStats
 
 __all__ = [
-    "STATUS_OK", "STATUS_ID_RANGE", "STATUS_BAD_INPUT",
+    "STATUS_OK", "STATUS_ID_RANGE", "STATUS_BAD_INPUT", "FINGERPRINT_LEN", "TableRequest", "Routes",
     "world", "sharded_group", "request_rows", "pull_rows", "exchange_rows", "allgather_table_rows",
     "all_gather_objects", "barrier", "agree", "broadcast_int",
 ]
 
 # Input status a rank reports with its row counts (column 0 of the metadata).
 STATUS_OK, STATUS_ID_RANGE, STATUS_BAD_INPUT = 0, 1, 2
-# A metadata row: status, detail, owned rows, then the fingerprint, then one count per rank.
+# A metadata row: status, detail, round, then per table: present, owned rows, fingerprint, one count per rank.
 _META_HEAD = 3
+FINGERPRINT_LEN = 4
+
+
+class TableRequest(NamedTuple):
+    """What one table of a lookup round asks of the owners.
+
+    Attributes:
+        ids_by_owner: ``(n,)`` unique ids grouped by owner (owner 0's first),
+            as :func:`sparsecomm.ops.partition_rows` returns them.
+        counts: ``(N,)`` int64, ids per owner.
+        fingerprint: ``FINGERPRINT_LEN`` ints that must be equal on every rank
+            (table shape and identity): a mismatch means the ranks are in different calls.
+        num_rows: table size (bounds the ids; sizes them on the wire).
+        num_local: rows this rank owns (bounds what a peer may ask of it).
+        present: whether this rank looked the table up in this round (an
+            absent table asks for nothing but still serves its rows to peers).
+        owns: ``owns(ids) -> bool tensor``, whether this rank owns each id;
+            the received ids are checked with it (and against ``num_rows``).
+    """
+
+    ids_by_owner: torch.Tensor
+    counts: torch.Tensor
+    fingerprint: Tuple[int, ...]
+    num_rows: int
+    num_local: int
+    present: bool = True
+    owns: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+
+class Routes(NamedTuple):
+    """The validated routes of one lookup round, per table; backward reuses them reversed.
+
+    Attributes:
+        send: per table, ids this rank asked of each owner.
+        recv: per table, ids each rank asked of me.
+        requested: per table, those ids (int64, grouped by source rank).
+        present: per table, whether any rank looked it up this round (the
+            same on every rank: only those get a gradient).
+        problem: None, or why this owner refuses the ids it was sent; pass the
+            routes to :func:`pull_rows`, which makes every rank raise.
+    """
+
+    send: List[List[int]]
+    recv: List[List[int]]
+    requested: List[torch.Tensor]
+    present: List[bool]
+    problem: Optional[str]
 
 
 def world(group: Optional[dist.ProcessGroup] = None) -> Tuple[int, int]:
@@ -75,44 +128,57 @@ class _Meta(NamedTuple):
 
     status: int
     detail: int
-    num_local: int                 # rows the rank says it owns
-    fingerprint: Tuple[int, ...]
+    round: int
+    tables: Tuple[Tuple[int, ...], ...]   # per table: present, then the fingerprint
+    num_local: Tuple[int, ...]            # per table: rows the rank says it owns
 
 
-def _describe_status(rank: int, status: int, detail: int, num_rows: int) -> str:
+def _describe_status(rank: int, status: int, detail: int, num_rows: Optional[int]) -> str:
     if status == STATUS_ID_RANGE:
-        return f"rank {rank} looked up id {detail}, outside [0, {num_rows})"
+        where = f"[0, {num_rows})" if num_rows is not None else "its table's rows"
+        return f"rank {rank} looked up id {detail}, outside {where}"
     return f"rank {rank} passed an invalid input"
 
 
-def _meta_problem(rows: List[_Meta], counts: torch.Tensor, me: int, fp: Tuple[int, ...], num_rows: int
+def _meta_problem(rows: List[_Meta], counts: torch.Tensor, me: int, requests: Sequence[TableRequest]
                   ) -> Optional[str]:
     """The first problem in every rank's metadata, or None; the same answer on every rank but ``me``'s wording.
 
-    ``counts[r, j]``: the ids rank r says it asks of rank j. Every rank holds
-    the same rows, so every rank reaches the same verdict: all raise, or none
-    does. Counts are checked before anything is sized from them: a peer never
-    asks an owner for more ids than the owner has rows (the ids it sends are unique).
+    ``counts[t, r, j]``: the ids rank r says it asks of rank j for table t.
+    Every rank holds the same rows, so every rank reaches the same verdict:
+    all raise, or none does. Counts are checked before anything is sized
+    from them: a peer never asks an owner for more ids than the owner has
+    rows (the ids it sends are unique), nor for ids of a table it did not look up.
     """
     for r, m in enumerate(rows):
         if m.status != STATUS_OK:
-            return _describe_status(r, m.status, m.detail, num_rows)
+            return _describe_status(r, m.status, m.detail, requests[0].num_rows if len(requests) == 1 else None)
+    mine = rows[me]
     for r, m in enumerate(rows):
-        if m.fingerprint != fp:
-            return (f"rank {me} is looking up table {fp} (num_embeddings, embedding_dim, table id, kind) but "
-                    f"rank {r} is looking up {m.fingerprint}: ranks must call the same tables in the same order")
-    owned = [m.num_local for m in rows]
-    for r, c in enumerate(owned):
-        if not 0 <= c <= num_rows:
-            return f"rank {r} announced {c} owned rows, outside [0, {num_rows}]: a bug or a version mismatch"
-    if sum(owned) != num_rows:
-        return (f"the ranks announce {owned} owned rows, which do not add up to the table's {num_rows}: "
-                f"a bug or a version mismatch between ranks")
-    bad = (counts < 0) | (counts > torch.tensor(owned).view(1, -1))
-    if bool(bad.any()):
-        r, j = (int(x) for x in bad.nonzero()[0])
-        return (f"rank {r} announced {int(counts[r, j])} ids to look up on rank {j}, outside [0, {owned[j]}] "
-                f"(rank {j}'s rows): a bug or a version mismatch between ranks")
+        theirs = [fp[1:] for fp in m.tables]
+        ours = [fp[1:] for fp in mine.tables]
+        if theirs != ours:
+            return (f"rank {me} is looking up tables {ours} (num_embeddings, embedding_dim, table id, kind) but "
+                    f"rank {r} is looking up {theirs}: ranks must call the same tables in the same order")
+    for r, m in enumerate(rows):
+        if m.round != mine.round:
+            return (f"rank {me} is in lookup round {mine.round} of its tables but rank {r} in round {m.round}: "
+                    f"ranks must look up the same tables in the same order (the same code path)")
+    for t, req in enumerate(requests):
+        owned = [m.num_local[t] for m in rows]
+        for r, c in enumerate(owned):
+            if not 0 <= c <= req.num_rows:
+                return (f"rank {r} announced {c} owned rows, outside [0, {req.num_rows}]: a bug or a version "
+                        f"mismatch")
+        if sum(owned) != req.num_rows:
+            return (f"the ranks announce {owned} owned rows, which do not add up to the table's {req.num_rows}: "
+                    f"a bug or a version mismatch between ranks")
+        limit = torch.tensor(owned).view(1, -1) * torch.tensor([m.tables[t][0] for m in rows]).view(-1, 1)
+        bad = (counts[t] < 0) | (counts[t] > limit)
+        if bool(bad.any()):
+            r, j = (int(x) for x in bad.nonzero()[0])
+            return (f"rank {r} announced {int(counts[t, r, j])} ids to look up on rank {j}, outside "
+                    f"[0, {int(limit[r, j])}] (rank {j}'s rows): a bug or a version mismatch between ranks")
     return None
 
 
@@ -133,35 +199,35 @@ def _ids_problem(requested: torch.Tensor, recv_counts: List[int], me: int, num_r
     return f"rank {src} asked rank {me} for id {bad}, {where}: a bug or a version mismatch between ranks"
 
 
-def request_rows(ids_by_owner: torch.Tensor, counts: torch.Tensor, *, status: int, detail: int,
-                 message: str, fingerprint: Sequence[int], num_rows: int, num_local: int,
-                 group: Optional[dist.ProcessGroup], owns: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 stats: Optional[SparseSyncStats] = None
-                 ) -> Tuple[List[int], List[int], torch.Tensor, Optional[str]]:
-    """Send each owner the ids this rank needs from it; receive the ids others need from me.
+def _by_peer(per_table: Sequence[Sequence[int]], n: int) -> List[int]:
+    return [sum(c[j] for c in per_table) for j in range(n)]
+
+
+def _split_by_peer(flat: torch.Tensor, per_table: Sequence[Sequence[int]]) -> List[torch.Tensor]:
+    """Undo the peer-major packing of :func:`request_rows`' ids: one tensor per table, by source rank."""
+    n = len(per_table[0]) if per_table else 0
+    sizes = [per_table[t][j] for j in range(n) for t in range(len(per_table))]
+    pieces = torch.split(flat, sizes) if sizes else []
+    return [torch.cat([pieces[j * len(per_table) + t] for j in range(n)]) if n else flat[:0]
+            for t in range(len(per_table))]
+
+
+def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, message: str, round: int,
+                 group: Optional[dist.ProcessGroup], stats: Optional[SparseSyncStats] = None) -> Routes:
+    """Send each owner the ids this rank needs from it, for every table of a lookup round at once.
 
     Args:
-        ids_by_owner: ``(n,)`` unique ids grouped by owner (owner 0's first),
-            as :func:`sparsecomm.ops.partition_rows` returns them.
-        counts: ``(N,)`` int64, ids per owner.
+        requests: one per table of the round, in the same order on every rank.
         status: this rank's input status (``STATUS_*``); anything but OK makes
             every rank raise before rows move.
         detail: an int for the message (the offending id for ``STATUS_ID_RANGE``).
         message: this rank's own description of its bad input (used on this rank).
-        fingerprint: ints that must be equal on every rank (table shape and
-            identity): a mismatch means the ranks are in different calls.
-        num_rows: table size (bounds the ids; sizes them on the wire).
-        num_local: rows this rank owns (bounds what a peer may ask of it).
+        round: how many rounds this set of tables has done (equal on every rank).
         group: from :func:`sharded_group`; None: no peers.
-        owns: ``owns(ids) -> bool tensor``, whether this rank owns each id;
-            the received ids are checked with it (and against ``num_rows``).
         stats: counters to add the bytes moved to.
 
     Returns:
-        ``(send_counts, recv_counts, requested_ids, problem)``: ids sent to /
-        received from each rank, the received ids (int64, grouped by source
-        rank), and None, or why this owner refuses those ids: then pass it to
-        :func:`pull_rows`, which makes every rank raise.
+        The validated :class:`Routes`.
 
     Raises:
         ValueError: on every rank, naming the first rank whose input was bad,
@@ -169,99 +235,112 @@ def request_rows(ids_by_owner: torch.Tensor, counts: torch.Tensor, *, status: in
             (negative, more than the owner's rows, or not adding up). Nothing
             else was exchanged and nothing was sized from a peer's numbers.
 
-    The metadata is ``N * (N + 7)`` int64 per rank: every rank learns every
-    rank's counts, which is what lets all of them agree on a bad one without
-    another collective.
+    Two all-to-alls whatever the number of tables: the metadata (``3 + T *
+    (N + 6)`` int64 per peer: every rank learns every rank's counts, which is
+    what lets all of them agree on a bad one without another collective),
+    then every table's ids, peer-major, in the widest table's wire dtype.
     """
-    send_counts = [int(c) for c in counts.tolist()]
-    fp = tuple(int(x) for x in fingerprint)
+    send = [[int(c) for c in r.counts.tolist()] for r in requests]
     if group is None:
         if status != STATUS_OK:
             raise ValueError(message)
-        return send_counts, send_counts, ids_by_owner.to(torch.int64), None
+        return Routes(send, send, [r.ids_by_owner.to(torch.int64) for r in requests],
+                      [r.present for r in requests], None)
     me, n = world(group)
-    dev = comm_device(group, ids_by_owner.device)
-    row = [status, detail, num_local, *fp, *send_counts]
+    dev = comm_device(group, requests[0].ids_by_owner.device)
+    row = [status, detail, round]
+    for r, counts in zip(requests, send):
+        row += [int(r.present), r.num_local, *r.fingerprint, *counts]
     meta = torch.tensor([row] * n, dtype=torch.int64)
     (recv_meta,) = all_to_all_rows([meta], [1] * n, [1] * n, group, dev, stats)
-    k = _META_HEAD + len(fp)
-    rows = [_Meta(r[0], r[1], r[2], tuple(r[_META_HEAD:])) for r in recv_meta[:, :k].tolist()]
-    all_counts = recv_meta[:, k:].cpu()
+    width = 2 + FINGERPRINT_LEN + n
+    blocks = recv_meta[:, _META_HEAD:].reshape(n, len(requests), width)
+    heads = recv_meta[:, :_META_HEAD].tolist()
+    rows = [_Meta(h[0], h[1], h[2],
+                  tuple(tuple([b[0]] + b[2:2 + FINGERPRINT_LEN]) for b in tb),
+                  tuple(b[1] for b in tb))
+            for h, tb in zip(heads, blocks[:, :, :2 + FINGERPRINT_LEN].tolist())]
+    all_counts = blocks[:, :, 2 + FINGERPRINT_LEN:].permute(1, 0, 2).cpu()   # [table, rank, owner]
     if status != STATUS_OK:
         raise ValueError(message)  # a rank with a bad input of its own hears about its own
-    problem = _meta_problem(rows, all_counts, me, fp, num_rows)
+    problem = _meta_problem(rows, all_counts, me, requests)
     if problem is not None:
         raise ValueError(f"sparsecomm sharded lookup: {problem}; nothing was exchanged")
-    recv_counts = all_counts[:, me].tolist()
-    wire = wire_index_dtype(num_rows)
-    (requested,) = all_to_all_rows([ids_by_owner.to(wire)], send_counts, recv_counts, group, dev, stats)
-    requested = requested.to(device=ids_by_owner.device, dtype=torch.int64)
-    return send_counts, recv_counts, requested, _ids_problem(requested, recv_counts, me, num_rows, owns)
+    recv = [all_counts[t, :, me].tolist() for t in range(len(requests))]
+    present = [any(m.tables[t][0] for m in rows) for t in range(len(requests))]
+    wire = wire_index_dtype(max(r.num_rows for r in requests))
+    pieces = [torch.split(r.ids_by_owner.to(wire), c) for r, c in zip(requests, send)]
+    flat = torch.cat([pieces[t][j] for j in range(n) for t in range(len(requests))])
+    (got,) = all_to_all_rows([flat], _by_peer(send, n), _by_peer(recv, n), group, dev, stats)
+    got = got.to(device=requests[0].ids_by_owner.device, dtype=torch.int64)
+    requested = _split_by_peer(got, recv)
+    problem = None
+    for r, ids, counts in zip(requests, requested, recv):
+        problem = problem or _ids_problem(ids, counts, me, r.num_rows, r.owns)
+    return Routes(send, recv, requested, present, problem)
 
 
-def pull_rows(served: torch.Tensor, send_counts: List[int], recv_counts: List[int], problem: Optional[str],
-              group: Optional[dist.ProcessGroup], stats: Optional[SparseSyncStats] = None) -> torch.Tensor:
-    """Owners send the rows they were asked for back to the requesters; return the rows this rank asked for.
+def _exchange_blocks(blocks: List[torch.Tensor], send: Sequence[Sequence[int]], recv: Sequence[Sequence[int]],
+                     group: dist.ProcessGroup, stats: Optional[SparseSyncStats]) -> List[torch.Tensor]:
+    """One all-to-all of several row blocks (widths and dtypes may differ); validated counts only."""
+    me, n = world(group)
+    home = blocks[0].device
+    dev = comm_device(group, home)
+    widths = [math.prod(b.shape[1:]) * b.element_size() for b in blocks]
+    count_bytes(stats, [sum(s[j] * w for s, w in zip(send, widths)) for j in range(n)],
+                [sum(r[j] * w for r, w in zip(recv, widths)) for j in range(n)], me, None)
+    out = exchange_tables([[b.contiguous()] for b in blocks], send, recv, [False] * len(blocks), group, dev)
+    return [o[0].to(home) for o in out]
+
+
+def pull_rows(served: Sequence[torch.Tensor], routes: Routes, group: Optional[dist.ProcessGroup],
+              stats: Optional[SparseSyncStats] = None) -> List[torch.Tensor]:
+    """Owners send the rows they were asked for back to the requesters, every table in one all-to-all.
 
     Args:
-        served: ``(sum(recv_counts), d)`` rows this rank serves, grouped by
-            requester (zeros when ``problem``: they are never used).
-        send_counts, recv_counts: from :func:`request_rows` (ids this rank
-            asked of each owner / each rank asked of it).
-        problem: :func:`request_rows`' verdict on the ids this rank received.
+        served: per table, ``(sum(routes.recv[t]), d_t)`` rows this rank serves,
+            grouped by requester (zeros when ``routes.problem``: never used).
+        routes: from :func:`request_rows`.
         group: from :func:`sharded_group`; None: no peers.
         stats: counters to add the bytes moved to.
 
     Returns:
-        ``(sum(send_counts), d)`` rows, grouped by owner.
+        Per table, ``(sum(routes.send[t]), d_t)`` rows, grouped by owner.
 
     Raises:
         ValueError: on every rank when any owner refused the ids it was sent
             (the refusing owner's message names the sender and the id).
+
+    In front of each peer's rows travels one int64: 1 when this owner refuses
+    (the verdict costs no extra collective).
     """
     if group is None:
-        return served
+        return list(served)
     me, n = world(group)
-    dev = comm_device(group, served.device)
-    # One header row in front of each peer's rows: 1 in its first column when
-    # this owner refuses (exact in every float dtype).
-    header = served.new_zeros(1, *served.shape[1:])
-    if problem is not None:
-        header.view(-1)[0] = 1
-    pieces: List[torch.Tensor] = []
-    offset = 0
-    for c in recv_counts:
-        pieces += [header, served[offset:offset + c]]
-        offset += c
-    send = torch.cat(pieces)
-    (got,) = all_to_all_rows([send], [c + 1 for c in recv_counts], [c + 1 for c in send_counts], group, dev, stats)
-    got = got.to(served.device)
-    starts = torch.tensor([0] + send_counts[:-1], dtype=torch.int64).cumsum(0) + torch.arange(n)
-    flags = got.index_select(0, starts.to(got.device)).reshape(n, -1)[:, 0]
-    if problem is not None:
-        raise ValueError(f"sparsecomm sharded lookup: {problem}; no rows were served")
-    refused = (flags != 0).nonzero().view(-1).tolist()
+    verdict = torch.full((n, 1), int(routes.problem is not None), dtype=torch.int64, device=served[0].device)
+    ones = [1] * n
+    got = _exchange_blocks([verdict, *served], [ones, *routes.recv], [ones, *routes.send], group, stats)
+    if routes.problem is not None:
+        raise ValueError(f"sparsecomm sharded lookup: {routes.problem}; no rows were served")
+    refused = got[0].view(-1).nonzero().view(-1).tolist()
     if refused:
         raise ValueError(f"sparsecomm sharded lookup: rank {refused[0]} refused the ids it was sent (outside the "
                          f"table or owned by another rank); no rows were served")
-    keep = torch.ones(got.shape[0], dtype=torch.bool, device=got.device)
-    keep[starts.to(got.device)] = False
-    return got[keep]
+    return got[1:]
 
 
-def exchange_rows(rows: torch.Tensor, send_counts: List[int], recv_counts: List[int],
-                  group: Optional[dist.ProcessGroup], stats: Optional[SparseSyncStats] = None) -> torch.Tensor:
-    """Send ``send_counts[j]`` consecutive rows of ``rows`` to rank j; return what arrives, by source rank.
+def exchange_rows(rows: Sequence[torch.Tensor], routes: Routes, group: Optional[dist.ProcessGroup],
+                  stats: Optional[SparseSyncStats] = None) -> List[torch.Tensor]:
+    """Push rows back along a round's routes (requester -> owner), every table in one all-to-all.
 
-    Requesters push gradient rows back along a lookup's routes with it; both
-    count lists come from that lookup's :func:`request_rows`, so they were
-    validated before anything was sized from them.
+    ``rows[t]`` holds ``routes.send[t][j]`` consecutive rows for owner j;
+    returns per table what arrives, by source rank. Both count lists come
+    from the round's :func:`request_rows`, so they were validated before
+    anything was sized from them.
     """
     if group is None:
-        return rows
-    dev = comm_device(group, rows.device)
-    (out,) = all_to_all_rows([rows.contiguous()], send_counts, recv_counts, group, dev, stats)
-    return out.to(rows.device)
+        return list(rows)
+    return _exchange_blocks(list(rows), routes.send, routes.recv, group, stats)
 
 
 def allgather_table_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int,

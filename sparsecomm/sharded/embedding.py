@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -36,9 +36,9 @@ import torch.nn.functional as F
 
 from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import (STATUS_BAD_INPUT, STATUS_ID_RANGE, STATUS_OK,
-                                                     allgather_table_rows, broadcast_int, exchange_rows, pull_rows,
-                                                     request_rows, sharded_group, world)
+                                                     allgather_table_rows, broadcast_int, sharded_group, world)
 from sparsecomm.sharded.layout import RowLayout
+from sparsecomm.sharded.lookup import Lookup, TableSet
 from sparsecomm.types import PartitionScheme, SparseSyncStats
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "sharded_modules"]
@@ -51,31 +51,6 @@ _KIND_EMBEDDING, _KIND_BAG = 0, 1
 # Tables are numbered in construction order; the number joins the lookup
 # fingerprint so that ranks calling different tables fail loudly.
 _table_ids = itertools.count()
-
-
-class _Plan(NamedTuple):
-    """What a lookup's backward needs to send gradients back along the lookup's routes."""
-
-    send_counts: List[int]    # ids this rank asked of each owner
-    recv_counts: List[int]    # ids each rank asked of me
-    perm: torch.Tensor        # unique-id position of each id, in owner order
-    slots: torch.Tensor       # local slots of the ids asked of me
-    requested: torch.Tensor   # those ids
-
-
-class _PullRows(torch.autograd.Function):
-    """Unique rows from their owners; backward pushes their gradients to the owners."""
-
-    @staticmethod
-    def forward(ctx, local_weight: torch.Tensor, table: "_ShardedTable", unique_ids: torch.Tensor,
-                status: Tuple[int, int, str]) -> torch.Tensor:
-        rows, plan = table._pull(unique_ids, status)
-        ctx.table, ctx.plan = table, plan
-        return rows
-
-    @staticmethod
-    def backward(ctx, grad_rows: torch.Tensor):
-        return ctx.table._push(ctx.plan, grad_rows), None, None, None
 
 
 class _ShardedTable(nn.Module):
@@ -114,6 +89,8 @@ class _ShardedTable(nn.Module):
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.layout = RowLayout(num_embeddings, size, rank, self.scheme, device)
         self.stats = SparseSyncStats(world_size=size)
+        # Alone in an eager set until grouped (sparsecomm.sharded.lookup.group_tables).
+        self._set = TableSet([self], lazy=False, stats=self.stats)
         if seed is None:
             # Every rank draws (keeping their RNG streams in step); rank 0's draw wins.
             seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -210,51 +187,26 @@ class _ShardedTable(nn.Module):
                     f"{name}: input contains id {bad}, outside [0, {self.num_embeddings}); nothing was exchanged")
         return flat.to(torch.int64), (STATUS_OK, 0, "")
 
-    def _lookup(self, flat_ids: torch.Tensor, status: Tuple[int, int, str]
-                ) -> Tuple[torch.Tensor, torch.Tensor, Optional[int]]:
-        """Rows of the unique ids (autograd-tracked), each id's position among them, and the padding position."""
-        if status[0] == STATUS_OK:
-            unique, inverse = torch.unique(flat_ids, sorted=True, return_inverse=True)
-        else:
-            unique = inverse = flat_ids.new_empty(0, dtype=torch.int64)
-        rows = _PullRows.apply(self.local_weight, self, unique, status)
-        pad = None
-        if self.padding_idx is not None and unique.numel():
-            pos = int(torch.searchsorted(unique, torch.tensor([self.padding_idx], device=unique.device)).item())
-            if pos < unique.numel() and int(unique[pos]) == self.padding_idx:
-                pad = pos
-        return rows, inverse, pad
+    def fingerprint(self) -> Tuple[int, int, int, int]:
+        """Ints every rank's lookup of this table must agree on: shape, construction order, kind."""
+        return (self.num_embeddings, self.embedding_dim, self.table_id, self._kind)
 
-    def _pull(self, unique_ids: torch.Tensor, status: Tuple[int, int, str]) -> Tuple[torch.Tensor, _Plan]:
-        part = self.layout.partition(unique_ids)
-        self.stats.rows_in += int(unique_ids.numel())
-        fingerprint = (self.num_embeddings, self.embedding_dim, self.table_id, self._kind)
-        send, recv, requested, refused = request_rows(
-            part.ids, part.counts, status=status[0], detail=status[1], message=status[2], fingerprint=fingerprint,
-            num_rows=self.num_embeddings, num_local=self.layout.num_local, group=self._group,
-            owns=self.layout.owns, stats=self.stats)
-        weight = self.local_weight.detach()
-        if refused is None:
-            slots = self.layout.slots(requested).to(weight.device)
-            served = ops.gather_rows(weight, slots)
-        else:  # a peer sent ids this rank does not own: serve nothing, every rank raises in pull_rows
-            slots = torch.empty(0, dtype=torch.int64, device=weight.device)
-            served = weight.new_zeros(requested.shape[0], self.embedding_dim)
-        got = pull_rows(served, send, recv, refused, self._group, self.stats)
-        rows = torch.empty_like(got).index_copy_(0, part.perm, got)
-        return rows, _Plan(send, recv, part.perm, slots, requested)
+    def _padding_position(self, unique: torch.Tensor) -> Optional[int]:
+        """Position of the padding row among a round's sorted unique ids, or None."""
+        if self.padding_idx is None or unique.numel() == 0:
+            return None
+        pos = int(torch.searchsorted(unique, torch.tensor([self.padding_idx], device=unique.device)).item())
+        return pos if pos < unique.numel() and int(unique[pos]) == self.padding_idx else None
 
-    def _push(self, plan: _Plan, grad_rows: torch.Tensor) -> torch.Tensor:
-        by_owner = grad_rows.contiguous().index_select(0, plan.perm)
-        got = exchange_rows(by_owner, plan.send_counts, plan.recv_counts, self._group, self.stats)
-        slots = plan.slots
+    def _owner_gradient(self, slots: torch.Tensor, requested: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The sparse gradient of ``local_weight`` from the gradient rows peers pushed for ``requested`` ids."""
         if self.padding_idx is not None:
             # nn.Embedding's sparse gradient leaves the padding row out: it stays untouched by lazy optimizers too.
-            keep = plan.requested != self.padding_idx
-            slots, got = slots[keep], got[keep]
+            keep = requested != self.padding_idx
+            slots, rows = slots[keep], rows[keep]
         if self.grad_reduction == "mean" and self.layout.world_size > 1:
-            got = got / self.layout.world_size
-        return torch.sparse_coo_tensor(slots.view(1, -1), got, tuple(self.local_weight.shape),
+            rows = rows / self.layout.world_size
+        return torch.sparse_coo_tensor(slots.view(1, -1), rows, tuple(self.local_weight.shape),
                                        check_invariants=False)
 
     # ---------------------------------------------------------- bookkeeping
@@ -400,8 +352,12 @@ class ShardedEmbedding(_ShardedTable):
                 the table stays usable), or ranks call different tables.
         """
         flat, status = self._check_input(input)
-        rows, inverse, pad = self._lookup(flat, status)
-        return F.embedding(inverse.view(input.shape), rows, padding_idx=pad)
+        shape = tuple(input.shape) if isinstance(input, torch.Tensor) else (0,)
+
+        def finish(rows, inverse, pad):
+            return F.embedding(inverse.view(shape), rows, padding_idx=pad)
+
+        return self._set.submit(Lookup(self, flat, status, finish, shape + (self.embedding_dim,)))
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, padding_idx: Optional[int] = None,
@@ -487,10 +443,20 @@ class ShardedEmbeddingBag(_ShardedTable):
         problem = self._check_bag_input(input, offsets, per_sample_weights) if status[0] == STATUS_OK else None
         if problem:
             flat, status = flat.new_empty(0), (STATUS_BAD_INPUT, 0, f"{type(self).__name__}: {problem}")
-        rows, inverse, pad = self._lookup(flat, status)
-        return F.embedding_bag(inverse.view(input.shape), rows, offsets, mode=self.mode,
-                               per_sample_weights=per_sample_weights, include_last_offset=self.include_last_offset,
-                               padding_idx=pad)
+        shape = tuple(input.shape) if isinstance(input, torch.Tensor) else (0,)
+        if status[0] != STATUS_OK:
+            bags = 0
+        elif len(shape) == 2:
+            bags = shape[0]
+        else:
+            bags = offsets.numel() - int(self.include_last_offset)
+
+        def finish(rows, inverse, pad):
+            return F.embedding_bag(inverse.view(shape), rows, offsets, mode=self.mode,
+                                   per_sample_weights=per_sample_weights,
+                                   include_last_offset=self.include_last_offset, padding_idx=pad)
+
+        return self._set.submit(Lookup(self, flat, status, finish, (bags, self.embedding_dim)))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
