@@ -3,12 +3,18 @@
 Everything travels as bytes (uint8) through ``all_to_all_single`` with uneven
 splits: gloo's all-to-all has no int16 and no half-precision reductions are
 needed in transit, so one code path serves every dtype.
+
+Rows are copied once on each side, at most: packed straight into the reused
+send buffer (through a partition's ``perm`` when given a :class:`Gathered`
+block, so partitioned rows are never staged), and either copied out of the
+receive buffer or summed straight out of it (``reduce``). Those copies are
+counted in ``stats.bytes_copied``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -19,8 +25,45 @@ from sparsecomm.types import SparseSyncStats
 # torch >= 2.13 renames all_gather_into_tensor (which then warns) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-__all__ = ["all_gather_single", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes", "wire_buffers", "all_to_all_rows", "exchange_counts",
-           "exchange_tables", "push_to_owners", "allgather_rows"]
+__all__ = ["all_gather_single", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes", "count_copied",
+           "wire_buffers", "all_to_all_rows", "exchange_counts", "Gathered", "Reduce", "exchange_tables",
+           "push_to_owners", "allgather_rows"]
+
+
+class Gathered(NamedTuple):
+    """Rows ``source[index]`` of a block (all rows, in order, when ``index`` is None), packed
+    straight into the send buffer: a partition's ``perm`` as ``index`` sends partitioned rows
+    without writing them anywhere else first.
+
+    Attributes:
+        source: ``(n, *row_shape)`` rows, or ``(n,)`` int32/int64 ids when ``wire_ids`` is set.
+        index: optional int32/int64 rows of ``source``.
+        wire_ids: send ids as this dtype (int16/int32/int64) instead of ``source.dtype``.
+    """
+
+    source: torch.Tensor
+    index: Optional[torch.Tensor] = None
+    wire_ids: Optional[torch.dtype] = None
+
+
+class Reduce(NamedTuple):
+    """Sum a received ``[ids, values]`` block straight out of the receive buffer.
+
+    The block comes back as ``(unique_ids, sums)`` (:func:`sparsecomm.ops.coalesce_rows`
+    of every source rank's rows in rank order) instead of its received rows.
+
+    Attributes:
+        num_rows: bound of the received ids (they come from peers: checked).
+        ids_dtype: dtype of the returned ids (int32 or int64).
+        accumulate: return fp16/bf16 sums in float32, not rounded.
+    """
+
+    num_rows: int
+    ids_dtype: torch.dtype = torch.int64
+    accumulate: bool = False
+
+
+Rows = Union[torch.Tensor, Gathered]
 
 
 def wire_index_dtype(num_rows: int) -> torch.dtype:
@@ -76,8 +119,11 @@ def check_counts(counts: Sequence[int], limit: int, what: str) -> List[int]:
     return counts
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(-1)
+def count_copied(stats: Optional[SparseSyncStats], nbytes: int) -> None:
+    """Add bytes copied between tensors and wire buffers to ``stats.bytes_copied``."""
+    if stats is not None and nbytes:
+        # setattr: the counter exists whether or not this SparseSyncStats declares the field.
+        stats.bytes_copied = getattr(stats, "bytes_copied", 0) + nbytes
 
 
 def count_bytes(stats: Optional[SparseSyncStats], send: Sequence[int], recv: Sequence[int], me: int,
@@ -108,10 +154,10 @@ def all_to_all_rows(tensors: Sequence[torch.Tensor], send_counts: List[int], rec
     Returns:
         One tensor per input: the received rows, ordered by source rank.
     """
-    per_row = sum(_row_bytes(t) for t in tensors)
+    per_row = sum(_wire_width(t) for t in tensors)
     count_bytes(stats, [c * per_row for c in send_counts], [c * per_row for c in recv_counts],
                 dist.get_rank(group), peer_node)
-    return exchange_tables([tensors], [send_counts], [recv_counts], [False], group, device)[0]
+    return exchange_tables([tensors], [send_counts], [recv_counts], [False], group, device, stats=[stats])[0]
 
 
 def exchange_counts(send_counts: torch.Tensor, group: Optional[dist.ProcessGroup], device: torch.device,
@@ -129,53 +175,125 @@ def _row_bytes(t: torch.Tensor) -> int:
     return math.prod(t.shape[1:]) * t.element_size()
 
 
-def exchange_tables(blocks: Sequence[Sequence[torch.Tensor]], send_counts: Sequence[Sequence[int]],
+def _align8(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
+
+
+def _wire_dtype(t: Rows) -> torch.dtype:
+    if isinstance(t, Gathered):
+        return t.wire_ids or t.source.dtype
+    return t.dtype
+
+
+def _wire_shape(t: Rows) -> Tuple[int, ...]:
+    return tuple((t.source if isinstance(t, Gathered) else t).shape[1:])
+
+
+def _wire_width(t: Rows) -> int:
+    return math.prod(_wire_shape(t)) * torch.empty(0, dtype=_wire_dtype(t)).element_size()
+
+
+def _pack(send: torch.Tensor, t: Rows, segments: List[Tuple[int, int, int]]) -> int:
+    """Copy ``t``'s rows into ``send`` (segments of ``(start, count, byte offset)``); returns bytes written."""
+    src, index, wire = (t.source, t.index, t.wire_ids) if isinstance(t, Gathered) else (t, None, None)
+    dev = send.device
+    src = src.to(dev).contiguous()
+    index = None if index is None else index.to(dev)
+    if wire is not None and wire == src.dtype:
+        wire = None
+    if src.dtype not in ops.INDEX_DTYPES and src.dim() == 1:
+        src = src.view(-1, 1)  # 1-D wire ids (int16): plain rows of one element
+    ops.pack_rows(send, src, index, segments, wire_ids=wire)
+    return sum(c for _, c, _ in segments) * _wire_width(t)
+
+
+def exchange_tables(blocks: Sequence[Sequence[Rows]], send_counts: Sequence[Sequence[int]],
                     recv_counts: Sequence[Sequence[int]], repeat: Sequence[bool],
-                    group: Optional[dist.ProcessGroup], device: torch.device) -> List[List[torch.Tensor]]:
+                    group: Optional[dist.ProcessGroup], device: torch.device, *,
+                    reduce: Optional[Sequence[Optional[Reduce]]] = None,
+                    stats: Optional[Sequence[Optional[SparseSyncStats]]] = None) -> List[List[torch.Tensor]]:
     """One all-to-all carrying several blocks of rows at once: the packing every row exchange uses.
 
     Args:
         blocks: per block, tensors with one row per entry that share its row
             counts (say a tensor's ids and its value rows); the rows for peer
-            j consecutive, in peer order, unless ``repeat``.
+            j consecutive, in peer order, unless ``repeat``. A :class:`Gathered`
+            entry is packed through its index (a partition's ``perm``) and
+            converted to its wire id dtype in the same copy.
         send_counts, recv_counts: per block, rows sent to / received from each
             peer (received counts must already be validated).
         repeat: per block, True to send all of its rows to every peer (an allgather).
+        reduce: per block, None (return the received rows) or a :class:`Reduce`
+            for an ``[ids, values]`` block: return ``(unique_ids, sums)``
+            summed straight out of the receive buffer (ids bounds-checked).
+        stats: per block, the :class:`SparseSyncStats` whose ``bytes_copied``
+            counts this block's packing and unpacking copies, or None.
 
     Layout of every peer's chunk, both ways: block 0's rows of each of its
-    tensors, then block 1's, ... Buffers are reused (:func:`wire_buffers`).
+    tensors, then block 1's, ...; every region starts at a multiple of 8 bytes
+    (so it can be read in place as its dtype). Buffers are reused
+    (:func:`wire_buffers`).
 
     Returns:
         Per block, its tensors' received rows in source-rank order (copies:
-        nothing returned aliases the reused receive buffer).
+        nothing returned aliases the reused receive buffer), or its
+        ``[unique_ids, sums]`` for a reduced block.
     """
     n = dist.get_world_size(group)
-    widths = [[_row_bytes(t) for t in block] for block in blocks]
-    flat = [[_as_bytes(t.to(device)) for t in block] for block in blocks]
-    offsets = [0] * len(blocks)
-    pieces = []
-    for j in range(n):
-        for b, (fb, wb) in enumerate(zip(flat, widths)):
-            c = send_counts[b][j]
-            a = 0 if repeat[b] else offsets[b]
-            pieces += [f[a * w:(a + c) * w] for f, w in zip(fb, wb)]
-            offsets[b] = a + c
-    s_bytes = [sum(send_counts[b][j] * sum(widths[b]) for b in range(len(blocks))) for j in range(n)]
-    r_bytes = [sum(recv_counts[b][j] * sum(widths[b]) for b in range(len(blocks))) for j in range(n)]
+    nb = len(blocks)
+    reduce = list(reduce) if reduce is not None else [None] * nb
+    stats = list(stats) if stats is not None else [None] * nb
+    widths = [[_wire_width(t) for t in block] for block in blocks]
+
+    def layout(counts: Sequence[Sequence[int]]) -> Tuple[List[int], List[List[List[int]]]]:
+        # offsets[b][i][j]: where block b's tensor i starts in peer j's chunk, absolute.
+        sizes, offsets, pos = [], [[[0] * n for _ in wb] for wb in widths], 0
+        for j in range(n):
+            start = pos
+            for b, wb in enumerate(widths):
+                for i, w in enumerate(wb):
+                    offsets[b][i][j] = pos
+                    pos += _align8(counts[b][j] * w)
+            sizes.append(pos - start)
+        return sizes, offsets
+
+    s_bytes, s_off = layout(send_counts)
+    r_bytes, r_off = layout(recv_counts)
     send, recv = wire_buffers(group, sum(s_bytes), sum(r_bytes), device)
-    if pieces:
-        torch.cat(pieces, out=send)
+    for b, block in enumerate(blocks):
+        starts, a = [], 0
+        for j in range(n):
+            starts.append(0 if repeat[b] else a)
+            a = starts[-1] + send_counts[b][j]
+        for i, t in enumerate(block):
+            segments = [(starts[j], send_counts[b][j], s_off[b][i][j]) for j in range(n) if send_counts[b][j]]
+            if segments:
+                count_copied(stats[b], _pack(send, t, segments))
     dist.all_to_all_single(recv, send, r_bytes, s_bytes, group=group)
-    chunks: List[List[List[torch.Tensor]]] = [[[] for _ in block] for block in blocks]
-    pos = 0
-    for j in range(n):
-        for b, wb in enumerate(widths):
-            c = recv_counts[b][j]
-            for i, w in enumerate(wb):
-                chunks[b][i].append(recv[pos:pos + c * w])
-                pos += c * w
-    return [[torch.cat(ch).view(t.dtype).view(-1, *t.shape[1:]) for ch, t in zip(cb, block)]
-            for cb, block in zip(chunks, blocks)]
+    out: List[List[torch.Tensor]] = []
+    for b, block in enumerate(blocks):
+        if reduce[b] is not None:
+            ids_t, values_t = block
+            red = reduce[b]
+            segments = [(recv_counts[b][j], r_off[b][0][j], r_off[b][1][j]) for j in range(n)]
+            out.append(list(ops.coalesce_segments(recv, segments, _wire_dtype(ids_t), _wire_dtype(values_t),
+                                                  _wire_shape(values_t), red.num_rows, ids_dtype=red.ids_dtype,
+                                                  accumulate_dtype=red.accumulate)))
+            continue
+        total = sum(recv_counts[b])
+        got = []
+        for i, t in enumerate(block):
+            w = widths[b][i]
+            rows = torch.empty((total, *_wire_shape(t)), dtype=_wire_dtype(t), device=device)
+            flat, at = rows.view(-1).view(torch.uint8), 0
+            for j in range(n):
+                c = recv_counts[b][j] * w
+                flat[at:at + c].copy_(recv[r_off[b][i][j]:r_off[b][i][j] + c])
+                at += c
+            count_copied(stats[b], at)
+            got.append(rows)
+        out.append(got)
+    return out
 
 
 def push_to_owners(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist.ProcessGroup], *,
@@ -197,19 +315,34 @@ def push_to_owners(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
     Returns:
         ``(owned_ids, sums)``: sorted ids this rank owns, and the sum over ranks
         of their rows (in ``sum_dtype``), added in rank order: deterministic.
+
+    Rows are copied once: packed from ``values`` through the partition's
+    ``perm`` straight into the send buffer (when ``part`` carries no values),
+    and summed straight out of the receive buffer.
+
+    Raises:
+        ValueError: a peer sent ids outside ``[0, num_rows)``.
     """
     if part is None:
-        part = ops.partition_rows(ids, values, num_owners, scheme, num_rows, range_size=range_size, stride=stride)
+        # Ids and perm only: the value rows go straight from `values` to the wire.
+        part = ops.partition_rows(ids, None, num_owners, scheme, num_rows, range_size=range_size, stride=stride)
     send_counts = part.counts.tolist()
     if recv_counts is None:
         # A peer sends me at most its rows, and never more than the table has.
         recv_counts = check_counts(exchange_counts(part.counts, group, device, stats, peer_node), num_rows,
                                    "rows for me to own")
-    recv_ids, recv_values = all_to_all_rows([part.ids.to(wire_ids), part.values], send_counts, recv_counts,
-                                            group, device, stats, peer_node)
-    recv_ids = kernel_ids(recv_ids.to(ids.device))
-    recv_values = recv_values.to(device=values.device, dtype=sum_dtype)
-    return ops.coalesce_rows(recv_ids, recv_values)
+    rows = part.values if part.values is not None else Gathered(values, part.perm)
+    block = [Gathered(part.ids, None, wire_ids), rows]
+    per_row = sum(_wire_width(t) for t in block)
+    count_bytes(stats, [c * per_row for c in send_counts], [c * per_row for c in recv_counts],
+                dist.get_rank(group), peer_node)
+    accumulate = sum_dtype != values.dtype
+    if accumulate and sum_dtype != torch.float32:
+        raise ValueError(f"sum_dtype must be {values.dtype} or float32, got {sum_dtype}")
+    red = Reduce(num_rows, ids.dtype if ids.dtype in ops.INDEX_DTYPES else torch.int64, accumulate)
+    owned_ids, sums = exchange_tables([block], [send_counts], [recv_counts], [False], group, device, reduce=[red],
+                                      stats=[stats])[0]
+    return owned_ids.to(ids.device), sums.to(values.device)
 
 
 def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist.ProcessGroup], *,
@@ -234,10 +367,10 @@ def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
                                  peer_node)
         counts = check_counts(counts, max_rows if max_rows is not None else 2**62, "rows to share")
     # The same rows go to every peer, at their exact sizes (no padding to the largest rank).
-    wire = ids.to(wire_ids)
-    per_row = wire.element_size() + _row_bytes(values)
+    wire = Gathered(ids, None, wire_ids)
+    per_row = _wire_width(wire) + _row_bytes(values)
     me = dist.get_rank(group)
     count_bytes(stats, [ids.shape[0] * per_row] * n, [c * per_row for c in counts], me, peer_node)
     out_ids, out_values = exchange_tables([[wire, values]], [[ids.shape[0]] * n], [list(counts)], [True], group,
-                                          device)[0]
+                                          device, stats=[stats])[0]
     return kernel_ids(out_ids.to(ids.device)), out_values.to(values.device)
