@@ -25,6 +25,7 @@ DENSE_COLS = {"world", "op", "size", "count", "dtype", "time_us", "algbw_GBs", "
 SPARSE_COLS = {"world", "dist", "density", "union", "method", "MB/rank", "floor_MB", "bytes/floor", "time_ms",
                "min_ms", "max_ms", "floor_ms", "time_vs_floor", "vs_dense", "vs_torch_sparse", "#wrong"}
 PEERS = ["dense", "torch_sparse", "allgather"]
+COMPACT_SPARSE = ("world", "dist", "density", "method", "time_ms", "vs_best_peer", "bytes/floor", "#wrong")
 TINY_SPARSE = ["--rows", "3000", "--dim", "8", "--densities", "0.003,0.05", "-w", "1", "-n", "2",
                "--dense-iters", "1", "--link-bytes", "64K", "--timeout", "60"]
 TINY_DENSE = ["-b", "8", "-e", "64K", "-f", "32", "-n", "2", "-w", "1", "--timeout", "60"]
@@ -95,13 +96,20 @@ def test_allreduce_under_mpirun(tmp_path):
 def test_sparse_sync_self_spawn_all_methods_correct(tmp_path):
     js, png = tmp_path / "sparse.json", tmp_path / "sparse.png"
     args = ["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--dist", "zipf,uniform", "--json", str(js)]
-    plot = pytest.importorskip("matplotlib", reason="--plot needs matplotlib") and ["--plot", str(png)]
+    import importlib.util
+
+    # The plot is checked where matplotlib is installed; everything else runs anyway.
+    plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
     out = _bench(args + plot)
     assert out.returncode == 0, _fail(out)
     rows = _rows(js)
-    # sparsecomm_local needs two emulated nodes of 2 ranks: not at world size 2.
-    assert [r["method"] for r in rows[:5]] == PEERS + ["sparsecomm", "sparsecomm_auto"]
-    assert len(rows) == 2 * 2 * 5
+    # sparsecomm_local needs two emulated nodes of 2 ranks: at world size 2 it is listed as skipped.
+    assert [r["method"] for r in rows[:6]] == PEERS + ["sparsecomm", "sparsecomm_auto", "sparsecomm_local"]
+    assert len(rows) == 2 * 2 * 6
+    skipped = [r for r in rows if "skipped" in r]
+    assert {r["method"] for r in skipped} == {"sparsecomm_local"} and len(skipped) == 4
+    assert all("--lws" in r["skipped"] and "#wrong" not in r and "time_ms" not in r for r in skipped)
+    rows = [r for r in rows if "skipped" not in r]
     for r in rows:
         assert SPARSE_COLS <= set(r), r
         assert r["#wrong"] == 0 and r["time_ms"] > 0, r
@@ -111,18 +119,53 @@ def test_sparse_sync_self_spawn_all_methods_correct(tmp_path):
             assert r["vs_best_peer"] > 0
         if r["method"] == "dense":
             assert r["MB/rank"] == pytest.approx(2 * 2 * (2 - 1) / 2 * 3000 * 8 * 4 / 1e6)
-    assert png.stat().st_size > 1000
+    assert not plot or png.stat().st_size > 1000
     assert "sparse gradient sync" in out.stdout and "#wrong" in out.stdout
+    # The default table is the compact one, with a legend; every column is in the JSON.
+    header = next(line for line in out.stdout.splitlines() if line.lstrip().startswith("world"))
+    assert header.split() == list(COMPACT_SPARSE) + ["skipped"], header
+    assert "#   vs_best_peer:" in out.stdout and "--wide prints them all" in out.stdout
+    # A progress line per (distribution, density) on stderr, never on stdout.
+    for dist_name in ("zipf", "uniform"):
+        for density in ("0.003", "0.05"):
+            assert f"{dist_name} density {density} " in out.stderr and "done in" in out.stderr, out.stderr
+    assert "done in" not in out.stdout
 
 
 def test_sparse_sync_wrong_results_are_counted_for_every_method(tmp_path):
     js = tmp_path / "sparse.json"
     corrupt = ["torch_sparse", "allgather", "sparsecomm", "sparsecomm_auto"]
-    out = _bench(["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--densities", "0.05",
+    out = _bench(["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--densities", "0.05", "--wide",
                   "--corrupt", ",".join(corrupt), "--json", str(js)])
     assert out.returncode == EXIT_WRONG, _fail(out)
-    for r in _rows(js):
+    rows = [r for r in _rows(js) if "skipped" not in r]
+    for r in rows:
         assert (r["#wrong"] > 0) == (r["method"] in corrupt), r
+    # --wide: every column of the rows, in their order, and no legend.
+    header = next(line for line in out.stdout.splitlines() if line.lstrip().startswith("world"))
+    assert header.split() == list(dict.fromkeys(k for r in _rows(js) for k in r)), header
+    assert "--wide prints them all" not in out.stdout
+    assert "WRONG or failed: torch_sparse, allgather, sparsecomm, sparsecomm_auto" in out.stderr
+
+
+def test_missing_plot_dependency_fails_before_any_rank_starts(tmp_path):
+    import importlib.util
+    import time
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        pytest.skip("matplotlib is installed: --plot can run")
+    t0 = time.monotonic()
+    out = _bench(["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--plot", str(tmp_path / "p.png")])
+    assert out.returncode == 2, _fail(out)
+    assert "--plot needs matplotlib" in out.stderr and "pip install 'sparsecomm[bench]'" in out.stderr
+    assert "starting 2 local ranks" not in out.stderr and out.stdout == ""  # nothing ran
+    assert time.monotonic() - t0 < 60  # generous: a rank would have started; not a speed assertion
+
+
+def test_missing_output_folder_fails_before_the_run(tmp_path):
+    out = _bench(["allreduce", "--nproc", "2", *TINY_DENSE, "--json", str(tmp_path / "no" / "such" / "x.json")])
+    assert out.returncode == 2, _fail(out)
+    assert "does not exist" in out.stderr and "starting" not in out.stderr and out.stdout == ""
 
 
 def test_sparse_sync_scaling_with_local_aggregation(tmp_path):
@@ -132,9 +175,10 @@ def test_sparse_sync_scaling_with_local_aggregation(tmp_path):
                   "--methods", "torch_sparse,sparsecomm,sparsecomm_local", "--json", str(js)], timeout=200)
     assert out.returncode == 0, _fail(out)
     rows = _rows(js)
-    assert [(r["world"], r["method"]) for r in rows] == [
-        (2, "torch_sparse"), (2, "sparsecomm"), (4, "torch_sparse"), (4, "sparsecomm"), (4, "sparsecomm_local")]
-    assert all(r["#wrong"] == 0 for r in rows)
+    assert [(r["world"], r["method"], "skipped" in r) for r in rows] == [
+        (2, "torch_sparse", False), (2, "sparsecomm", False), (2, "sparsecomm_local", True),
+        (4, "torch_sparse", False), (4, "sparsecomm", False), (4, "sparsecomm_local", False)]
+    assert all(r["#wrong"] == 0 for r in rows if "skipped" not in r)
     local = {r["method"]: r for r in rows if r["world"] == 4}
     # Local aggregation: fewer bytes cross between nodes than with the flat exchange.
     assert local["sparsecomm_local"]["inter_MB"] < local["sparsecomm"]["inter_MB"]
@@ -152,7 +196,66 @@ def test_sparse_sync_under_torchrun_rank0_writes_outputs(tmp_path):
     assert all(r["world"] == 2 and r["#wrong"] == 0 for r in rows)
 
 
+def test_sharded_without_torchrec_lists_it_as_skipped_and_exits_0(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("torchrec") is not None:
+        pytest.skip("TorchRec is installed: its column runs")
+    js = tmp_path / "sharded.json"
+    out = _bench(["sharded", "--nproc", "2", "--rows", "4000", "--dim", "8", "--batch", "32", "--pooling", "4",
+                  "--warmup", "2", "--iters", "2", "--timeout", "60", "--json", str(js)])
+    assert out.returncode == 0, _fail(out)
+    rows = _rows(js)
+    assert [r["method"] for r in rows] == ["sparsecomm_hash", "sparsecomm_range", "ddp_replicated", "torchrec"]
+    assert "TorchRec is not installed" in rows[-1]["skipped"] and "#wrong" not in rows[-1]
+    assert all(r["#wrong"] == 0 and r["step_ms"] > 0 for r in rows[:-1]), rows
+    assert rows[0]["vs_best_peer"] > 0 and rows[2]["vs_best_peer"] == ""  # a peer has no speed-up vs itself
+    assert "torchrec skipped" in out.stderr and "timing 3 methods" in out.stderr
+    assert "TorchRec is not installed" in out.stdout  # in the table, not only in a log line
+
+
 # ---------------------------------------------------------------- pieces, in process
+
+def test_print_table_compact_wide_and_legend(capsys):
+    from sparsecomm.bench.harness import Row, print_table
+
+    rows = [Row({"world": 2, "method": "a", "time_ms": 1.5, "extra": 7, "#wrong": 0}),
+            Row({"world": 2, "method": "b", "skipped": "not installed"})]
+    # Without compact columns: every column, as kernels.py and other callers expect.
+    full = print_table(rows, "t")
+    assert full.splitlines()[1].split() == ["world", "method", "time_ms", "extra", "#wrong", "skipped"]
+    compact = print_table(rows, "t", compact_cols=("method", "time_ms", "#wrong", "absent"),
+                          legend={"time_ms": "ms per call", "extra": "not shown"})
+    lines = compact.splitlines()
+    assert lines[1].split() == ["method", "time_ms", "#wrong", "skipped"]  # a skip is never hidden
+    assert "#   time_ms: ms per call" in lines and not any("extra" in x for x in lines[:-1])
+    assert lines[-1] == "#   (2 more columns: --wide prints them all; --json/--csv save them all)"
+    assert lines[3].endswith("not installed") and not any(x != x.rstrip() for x in lines)
+    wide = print_table(rows, "t", compact_cols=("method",), wide=True)
+    assert wide == full
+    assert capsys.readouterr().out.count("# t") == 3
+
+
+def test_progress_goes_to_stderr(capsys):
+    from sparsecomm.bench.harness import progress
+
+    progress("case 1/2 done")
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.rstrip().endswith("s] case 1/2 done")
+
+
+def test_check_outputs_names_each_problem(tmp_path):
+    import importlib.util
+
+    from sparsecomm.bench.harness import check_outputs
+
+    assert check_outputs(None, str(tmp_path / "a.json"), str(tmp_path / "a.csv")) == []
+    problems = check_outputs(None, str(tmp_path / "nope" / "a.json"))
+    assert len(problems) == 1 and problems[0].startswith("--json") and "does not exist" in problems[0]
+    plot = check_outputs(str(tmp_path / "p.png"))
+    assert plot == ([] if importlib.util.find_spec("matplotlib") else [plot[0]])
+    assert all("matplotlib" in p for p in plot)
+
 
 def test_bus_factors_and_sizes():
     assert bus_factor("allreduce", 4) == 1.5 and bus_factor("allgather", 4) == 0.75

@@ -15,6 +15,10 @@ result is checked element by element (``#wrong``).
 Large sizes get fewer iterations: a size runs ``min(iters, budget / t)``
 timed calls, ``t`` the slowest rank's warm-up call.
 
+The default table shows op, size, time, algbw, busbw and ``#wrong``;
+``--wide`` adds count, dtype, iterations and the fastest/slowest rank.
+Progress goes to stderr, one line per (op, size).
+
 Examples::
 
     python -m sparsecomm.bench allreduce --nproc 4
@@ -31,11 +35,19 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, format_size, parse_size, plot_rows
+from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, format_size, parse_size, plot_rows, progress
 from sparsecomm.bench.launch import add_launch_args, gather_floats, run_distributed
 from sparsecomm.collectives.exchange import all_gather_single
 
 OPS = ("allreduce", "allgather", "alltoall")
+COMPACT_COLS = ("world", "op", "size_h", "time_us", "algbw_GBs", "busbw_GBs", "#wrong")
+LEGEND = {
+    "size_h": "bytes of one rank's buffer (all_gather: of the gathered output), as nccl-tests",
+    "time_us": "microseconds per call, averaged over ranks",
+    "algbw_GBs": "size / time",
+    "busbw_GBs": "algbw x 2(n-1)/n (all_reduce) or x (n-1)/n (all_gather, all_to_all): comparable across n",
+    "#wrong": "elements off the exact expected result (0: correct; a non-zero count exits 3)",
+}
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -156,6 +168,10 @@ def body(a: argparse.Namespace) -> List[Row]:
             wrong = int(sum(gather_floats(case.wrong())))
             t = statistics.mean(times)  # nccl-tests' default: the average over ranks
             algbw = case.bytes / t / 1e9
+            if me == 0:
+                progress(f"allreduce world {n}: {op} {format_size(case.bytes)}: {iters} calls, "
+                         f"{t * 1e6:.4g} us/call, busbw {algbw * bus_factor(op, n):.3g} GB/s"
+                         + (f", {wrong} WRONG" if wrong else ""))
             rows.append(Row({
                 "world": n, "op": op, "size": case.bytes, "size_h": format_size(case.bytes), "count": case.count,
                 "dtype": a.dtype, "iters": iters, "time_us": t * 1e6,
@@ -197,4 +213,5 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     bad = [o for o in a.ops.split(",") + a.corrupt.split(",") if o and o not in OPS]
     if bad:
         p.error(f"unknown --ops {bad}; choose from {OPS}")
-    return run_distributed("allreduce", argv, a, body, "dense collectives (time averaged over ranks)", plot)
+    return run_distributed("allreduce", argv, a, body, "dense collectives (time averaged over ranks)", plot,
+                           compact_cols=COMPACT_COLS, legend=LEGEND)

@@ -5,13 +5,28 @@ what to run, how many bytes that moves and how to check the result; the
 harness warms up, times (interleaving the contenders of one row so that noise
 on this shared machine hits them alike), checks every result before it
 reports a time (the ``#wrong`` column), and prints/saves the table.
+
+What a person sees, and the API for it:
+
+- :func:`progress` prints one line per configuration on stderr while the
+  benchmark runs (stdout keeps only the tables, for pipes and files);
+- :func:`print_table` prints every column by default (what ``kernels`` uses),
+  or, given ``compact_cols``, only those columns plus a legend of what they
+  mean, unless ``wide=True`` (the benchmarks' ``--wide``); JSON and CSV
+  always hold every column;
+- :func:`check_outputs` checks, before any work, that ``--plot`` can be drawn
+  (matplotlib) and that output folders exist: a missing dependency fails in
+  the first second with the reason, not after the run.
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -19,7 +34,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 __all__ = ["DTYPES", "Contender", "Row", "Stopwatch", "time_interleaved", "print_table", "write_outputs",
-           "parse_size", "format_size", "plot_rows"]
+           "parse_size", "format_size", "plot_rows", "progress", "check_outputs", "EXIT_USAGE"]
+
+EXIT_USAGE = 2  # a missing dependency or a bad option: nothing ran (argparse's own status)
+# Columns a compact table always keeps when a row has them: a failure or a skip is never hidden.
+_ALWAYS_SHOWN = ("skipped", "error")
+_T0 = time.monotonic()
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
@@ -147,6 +167,42 @@ def time_interleaved(contenders: Sequence[Contender], warmup: int = 2, iters: in
     return out
 
 
+def progress(msg: str) -> None:
+    """Print one progress line on stderr, flushed, with the seconds since this process started benchmarking.
+
+    Benchmarks call it once per configuration (a density, a size, a method's
+    check), so a long run is never silent; stdout keeps only the tables.
+
+    Example::
+
+        progress("sparse_sync world 4: zipf(1.1) density 0.001 (2/4) done in 3.1 s")
+        # [   7.4s] sparse_sync world 4: zipf(1.1) density 0.001 (2/4) done in 3.1 s
+    """
+    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def check_outputs(plot: Optional[str] = None, json_path: Optional[str] = None,
+                  csv_path: Optional[str] = None) -> List[str]:
+    """Problems that would make the outputs fail after the run, found before it.
+
+    Args:
+        plot: the ``--plot`` path: needs matplotlib.
+        json_path, csv_path: ``--json`` / ``--csv`` paths: their folder must exist.
+
+    Returns:
+        One message per problem, with its fix; empty when all is well.
+    """
+    problems = []
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        problems.append("--plot needs matplotlib, which is not installed: "
+                        "pip install 'sparsecomm[bench]' (or pip install matplotlib), or leave out --plot")
+    for flag, path in (("--plot", plot), ("--json", json_path), ("--csv", csv_path)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            problems.append(f"{flag} {path}: folder {folder} does not exist")
+    return problems
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-2):
@@ -155,8 +211,23 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def print_table(rows: Sequence[Row], title: str = "") -> str:
-    """Print rows as an aligned text table (and return the text)."""
+def print_table(rows: Sequence[Row], title: str = "", compact_cols: Optional[Sequence[str]] = None,
+                wide: bool = False, legend: Optional[Dict[str, str]] = None) -> str:
+    """Print rows as an aligned text table on stdout (and return the text).
+
+    Args:
+        rows: the rows; a column missing from a row prints empty.
+        title: printed first, after ``# ``.
+        compact_cols: the columns to show by default, in this order (those no
+            row has are left out; ``skipped`` and ``error`` are always shown
+            when a row has them). None: every column, as before.
+        wide: show every column even when ``compact_cols`` is given.
+        legend: ``{column: meaning}``; under a compact table, one line per
+            shown column that has an entry, then how to see the rest.
+
+    Returns:
+        The printed text.
+    """
     if not rows:
         return ""
     headers: List[str] = []
@@ -164,14 +235,31 @@ def print_table(rows: Sequence[Row], title: str = "") -> str:
         for k in r.cols:
             if k not in headers:
                 headers.append(k)
+    hidden = 0
+    if compact_cols is not None and not wide:
+        shown = [h for h in compact_cols if h in headers]
+        shown += [h for h in _ALWAYS_SHOWN if h in headers and h not in shown]
+        hidden = len(headers) - len(shown)
+        headers = shown
     cells = [[_fmt(r.cols.get(h, "")) for h in headers] for r in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
     lines = []
     if title:
         lines.append(f"# {title}")
-    lines.append("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-    for c in cells:
-        lines.append("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+    # Numbers align right; a free-text column (why a method failed or was skipped) aligns left,
+    # and no line carries trailing blanks: one long reason does not widen every row.
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.ljust(w) if h in _ALWAYS_SHOWN else v.rjust(w)
+                         for h, v, w in zip(headers, values, widths)).rstrip()
+
+    lines.append(line(headers))
+    lines.extend(line(c) for c in cells)
+    if compact_cols is not None and not wide:
+        for h in headers:
+            if legend and h in legend:
+                lines.append(f"#   {h}: {legend[h]}")
+        if hidden:
+            lines.append(f"#   ({hidden} more columns: --wide prints them all; --json/--csv save them all)")
     text = "\n".join(lines)
     print(text, flush=True)
     return text

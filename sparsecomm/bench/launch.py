@@ -13,8 +13,15 @@ Every distributed benchmark goes through :func:`run_distributed`:
   ``MASTER_ADDR``, ``MASTER_PORT``), waits for them, merges the rows their
   rank 0 hands back, and writes the outputs itself.
 
-Exit status: 0 when every result was right, :data:`EXIT_WRONG` when some
-``#wrong`` was non-zero, anything else when a rank failed.
+Before anything starts, the outputs are checked (``--plot`` needs
+matplotlib; output folders must exist): a problem exits with status 2 and
+the reason in the first second. While it runs, progress lines go to stderr;
+rank 0 prints the table on stdout, compact unless ``--wide``.
+
+Exit status: 0 when every result was right (a contender skipped for a missing
+optional dependency is reported as skipped, not as wrong),
+:data:`EXIT_WRONG` when some ``#wrong`` was non-zero, 2 when a dependency or
+an output folder is missing, anything else when a rank failed.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from sparsecomm.bench.harness import Row, print_table, write_outputs
+from sparsecomm.bench.harness import EXIT_USAGE, Row, check_outputs, print_table, progress, write_outputs
 
 __all__ = ["EXIT_WRONG", "add_launch_args", "launched", "spawn", "run_distributed", "gather_floats",
            "resolve_device_backend"]
@@ -73,6 +80,8 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", help="write the rows as JSON (rank 0 / the spawning parent)")
     o.add_argument("--csv", help="write the rows as CSV")
     o.add_argument("--plot", help="write a PNG plot (needs matplotlib: pip install 'sparsecomm[bench]')")
+    o.add_argument("--wide", action="store_true",
+                   help="print every column (default: a compact table with a legend; --json/--csv hold every column)")
 
 
 def resolve_device_backend(args: argparse.Namespace) -> None:
@@ -179,7 +188,8 @@ def _exit_status(rows: Sequence[Row]) -> int:
 
 def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
                     body: Callable[[argparse.Namespace], List[Row]], title: str,
-                    plot: Optional[Callable[[List[Row], str], None]] = None) -> int:
+                    plot: Optional[Callable[[List[Row], str], None]] = None,
+                    compact_cols: Optional[Sequence[str]] = None, legend: Optional[Dict[str, str]] = None) -> int:
     """Run a benchmark body on every rank, or spawn the ranks first (``--nproc``).
 
     Args:
@@ -190,18 +200,34 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
             ``init_distributed``; the rows must be complete on rank 0.
         title: the table's title.
         plot: ``plot(rows, path)`` for ``--plot``.
+        compact_cols, legend: the default table's columns and their meaning
+            (see :func:`~sparsecomm.bench.harness.print_table`); ``--wide``
+            prints every column.
 
     Returns:
         The exit status (see the module docstring).
     """
+    problems = check_outputs(getattr(args, "plot", None) if plot is not None else None,
+                             getattr(args, "json", None), getattr(args, "csv", None))
+    if problems:  # before any rank starts: not after a run of minutes
+        for msg in problems:
+            print(f"{bench}: {msg}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     resolve_device_backend(args)  # fail here, before starting any rank, on --device cuda without CUDA
+
+    def table(rows: List[Row], heading: str) -> None:
+        print_table(rows, heading, compact_cols=compact_cols, wide=getattr(args, "wide", False), legend=legend)
+
     if args.nproc and not launched():
         rows: List[Row] = []
         status = 0
         with tempfile.TemporaryDirectory(prefix="sparsecomm-bench-") as tmp:
             for n in args.nproc:
                 result_path = os.path.join(tmp, f"rows-{n}.json")
+                progress(f"{bench}: starting {n} local ranks (world size {n}); a line per configuration follows")
+                t0 = time.monotonic()
                 rc = spawn(bench, argv, n, result_path)
+                progress(f"{bench}: world size {n} finished in {time.monotonic() - t0:.1f} s (exit status {rc})")
                 if os.path.exists(result_path):
                     with open(result_path) as f:
                         rows += [Row(cols) for cols in json.load(f)]
@@ -209,7 +235,7 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
                     print(f"# {bench}: world size {n} failed with exit status {rc}", file=sys.stderr, flush=True)
                 status = status or rc
         if len(args.nproc) > 1 and rows:
-            print_table(rows, f"{title}: world sizes {','.join(map(str, args.nproc))}")
+            table(rows, f"{title}: world sizes {','.join(map(str, args.nproc))}")
         _write(rows, args, plot)
         return status
 
@@ -222,7 +248,7 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
         rows = body(args)
         status = 0
         if dist.get_rank() == 0:
-            print_table(rows, title)
+            table(rows, title)
             result_path = os.environ.get(_RESULT_ENV)
             if result_path:  # the spawning parent writes the outputs (it may merge world sizes)
                 with open(result_path, "w") as f:

@@ -28,6 +28,13 @@ rows of values + one row-wise accumulator each. ``wire_MB`` is what
 sparsecomm's exchanges moved per step and rank (sent + received, from the
 table's ``stats``).
 
+The default table shows per method ``step_ms``, ``vs_best_peer`` (the
+fastest of torchrec / ddp_replicated over this method's time),
+``vs_torchrec``, ``MB_per_rank`` against ``floor_MB``, and ``#wrong``;
+``--wide`` prints every column. Without TorchRec installed (and no
+``--methods``), its row is listed as skipped and the run exits 0. Progress
+goes to stderr: one line per method built and checked, one per timing phase.
+
 Checks (``#wrong``): every method starts from the same seeded table; its first
 step's pooled output must equal a float64 lookup of that table, and the step
 after the warm-up must equal a float64 simulation of that many updates on the
@@ -45,7 +52,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import sys
+import time
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,13 +61,26 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sparsecomm.bench.harness import Row, Stopwatch
+from sparsecomm.bench.harness import Row, Stopwatch, progress
 from sparsecomm.bench.launch import add_launch_args, run_distributed
 from sparsecomm.sharded import ShardedAdagrad, ShardedEmbeddingBag
 from sparsecomm.synthetic import zipf_ids
 
 METHODS = ("sparsecomm_hash", "sparsecomm_range", "torchrec", "ddp_replicated")
+PEERS = ("torchrec", "ddp_replicated")
 TOL = 1e-4
+TORCHREC_MISSING = ("TorchRec is not installed (pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0, "
+                    "see benchmarks/RESULTS.md)")
+COMPACT_COLS = ("world", "method", "step_ms", "vs_best_peer", "vs_torchrec", "MB_per_rank", "floor_MB", "#wrong")
+LEGEND = {
+    "step_ms": "median ms per training step (lookup + backward + update), median over ranks",
+    "vs_best_peer": "step time of the fastest of torchrec / ddp_replicated over this method's (> 1: faster)",
+    "vs_torchrec": "TorchRec's step time over this method's (> 1: faster)",
+    "MB_per_rank": "what a rank holds for the table: rows + optimizer state (+ the hash ownership map)",
+    "floor_MB": "V/N rows + one row-wise accumulator each",
+    "#wrong": "elements off a float64 simulation of the training (0: correct; a non-zero count exits 3)",
+    "skipped": "a peer left out, and why (not counted as wrong: the exit status stays 0)",
+}
 
 
 # ---------------------------------------------------------------- workload
@@ -302,6 +323,8 @@ def body(a: argparse.Namespace) -> List[Row]:
     n, me = dist.get_world_size(), dist.get_rank()
     if a.device != "cpu":
         raise SystemExit("sharded: CPU only (gloo), as TorchRec's CPU kernels")
+    # torch.optim.Adagrad (ddp_replicated) warns on every sparse step that invariant checks are off: noise here.
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     names = [m for m in a.methods.split(",") if m]
     table = initial_table(a)
     ids, w = batch_of(a, me)
@@ -310,11 +333,25 @@ def body(a: argparse.Namespace) -> List[Row]:
         print(f"# sharded embedding step: world={n} table={a.rows}x{a.dim} float32 batch={a.batch}x{a.pooling}/rank "
               f"zipf({a.alpha:g}) union={len(ref.rows0)} k(rank0)={ref.distinct[0]} row-wise Adagrad lr={a.lr} "
               f"warmup={a.warmup} iters={a.iters} threads/rank={torch.get_num_threads()}", flush=True)
-    results = {name: _run_method(name, a, table, ids, w, ref) for name in names}
+        for name, why in getattr(a, "skipped", {}).items():
+            progress(f"sharded world {n}: {name} skipped: {why}")
+    results = {}
+    for name in names:
+        t0 = time.monotonic()
+        results[name] = _run_method(name, a, table, ids, w, ref)
+        if me == 0:
+            r = results[name]
+            done = (f"FAILED: {r['error']}" if "error" in r else
+                    f"built, {a.warmup} warm-up steps, checked: {r['wrong']} WRONG" if r["wrong"] else
+                    f"built, {a.warmup} warm-up steps, checked")
+            progress(f"sharded world {n}: {name}: {done} ({time.monotonic() - t0:.1f} s)")
     del table
     live = [name for name in names if "method" in results[name]]
     times: Dict[str, List[float]] = {name: [] for name in live}
     watch = Stopwatch("cpu")
+    t0 = time.monotonic()
+    if me == 0:
+        progress(f"sharded world {n}: timing {len(live)} methods x {a.iters} rounds ...")
     for it in range(a.iters):
         order = live[it % len(live):] + live[:it % len(live)] if live else []  # rotate: no favoured slot
         for name in order:
@@ -331,6 +368,8 @@ def body(a: argparse.Namespace) -> List[Row]:
                           wire=m.wire_bytes() if m is not None else None)
     everyone: List[Any] = [None] * n
     dist.all_gather_object(everyone, mine)
+    if me == 0:
+        progress(f"sharded world {n}: timed in {time.monotonic() - t0:.1f} s")
     return _rows(a, n, names, everyone, ref) if me == 0 else []
 
 
@@ -338,6 +377,7 @@ def _rows(a, n: int, names: Sequence[str], everyone: Sequence[Dict[str, Any]], r
     floor_mb = a.rows / n * (a.dim * 4 + 4) / 1e6
     med = {name: statistics.median(e[name]["time"] for e in everyone) if all(e[name]["time"] for e in everyone)
            else None for name in names}
+    peers = [med[p] for p in PEERS if med.get(p)]
     out = []
     for name in names:
         per = [e[name] for e in everyone]
@@ -351,6 +391,7 @@ def _rows(a, n: int, names: Sequence[str], everyone: Sequence[Dict[str, Any]], r
             continue
         t = med[name]
         cols.update(step_ms=t * 1e3, max_rank_ms=max(p["time"] for p in per) * 1e3,
+                    vs_best_peer=min(peers) / t if peers and name not in PEERS else "",
                     vs_torchrec=med["torchrec"] / t if med.get("torchrec") else "",
                     rows_max=max(p["rows"] for p in per),
                     MB_per_rank=statistics.mean(p["memory"] for p in per) / 1e6,
@@ -358,6 +399,9 @@ def _rows(a, n: int, names: Sequence[str], everyone: Sequence[Dict[str, Any]], r
                     wire_MB=statistics.mean(p["wire"] for p in per) / 1e6 if per[0]["wire"] is not None else "",
                     **{"#wrong": int(sum(p["wrong"] for p in per))})
         out.append(Row(cols))
+    for name, why in getattr(a, "skipped", {}).items():
+        out.append(Row({"world": n, "table": f"{a.rows}x{a.dim}", "bags/rank": f"{a.batch}x{a.pooling}",
+                        "union": len(ref.rows0), "method": name, "skipped": why}))
     return out
 
 
@@ -372,18 +416,19 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--alpha", type=float, default=1.1, help="Zipf skew of the ids (default 1.1)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     p.add_argument("--eps", type=float, default=1e-8, help="row-wise Adagrad eps (default 1e-8)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)} (default: all; "
+                                                         "torchrec only when installed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per method (default 3)")
     p.add_argument("--iters", type=int, default=10, help="timed rounds (default 10)")
     add_launch_args(p)
     a = p.parse_args(argv)
     explicit = any(x == "--methods" or x.startswith("--methods=") for x in argv)
+    a.skipped = {}
     if not explicit and importlib.util.find_spec("torchrec") is None:
-        # A missing optional peer is not a wrong result (exit 3): leave it out and say so.
+        # A missing optional peer is not a wrong result (exit 3): list it as skipped, exit 0.
         a.methods = ",".join(m for m in METHODS if m != "torchrec")
-        print("sharded: TorchRec is not installed, so its column is left out "
-              "(pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0, see benchmarks/RESULTS.md)",
-              file=sys.stderr, flush=True)
-    return run_distributed("sharded", argv, a, body, "sharded embedding step (median over ranks)")
+        a.skipped["torchrec"] = TORCHREC_MISSING
+    return run_distributed("sharded", argv, a, body, "sharded embedding step (median over ranks)",
+                           compact_cols=COMPACT_COLS, legend=LEGEND)
 

@@ -36,6 +36,12 @@ rows and U the union. ``inter_MB`` is what crosses between emulated nodes.
 rank's best even ``all_to_all_single`` of ``--link-bytes``, sent + received),
 ``time_vs_floor`` the measured time over it: what latency and compute add.
 
+The default table shows, per method, ``time_ms``, ``vs_best_peer``,
+``bytes/floor`` and ``#wrong`` (with a legend); ``--wide`` prints every
+column above, ``--json``/``--csv`` save them all. A method that cannot run in
+this setting (``sparsecomm_local`` without two emulated nodes) is listed as
+skipped. Progress goes to stderr, one line per (distribution, density).
+
 Every method's result is checked against a float64 sum of the touched rows
 computed from every rank's seeded input (``#wrong``: elements off by more
 than the dtype's rounding allows, missing or extra rows count ``dim`` each).
@@ -51,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -58,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm
-from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, parse_size, plot_rows
+from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, parse_size, plot_rows, progress
 from sparsecomm.bench.launch import add_launch_args, gather_floats, run_distributed
 from sparsecomm.collectives.exchange import all_gather_single, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device
@@ -68,12 +75,22 @@ from sparsecomm.synthetic import uniform_ids, zipf_ids
 from sparsecomm.types import SparseSyncStats
 
 METHODS = ("dense", "torch_sparse", "allgather", "sparsecomm", "sparsecomm_local", "sparsecomm_auto",
-           "sparsecomm_allgather", "sparsecomm_densify")
+           "sparsecomm_allgather", "sparsecomm_densify", "sparsecomm_tree")
 DEFAULT_METHODS = METHODS[:6]
 DENSE_METHODS = ("dense", "sparsecomm_densify")  # slow at every density: timed --dense-iters rounds
 PEERS = ("dense", "torch_sparse", "allgather")
 VALUE_DTYPES = ("float32", "float64", "float16", "bfloat16")
 _GLOO_META_BYTES = 9 * 8  # gloo's SparseTensorMetadata: 9 int64 per rank
+# The default table: what a reader compares first. --wide prints every column.
+COMPACT_COLS = ("world", "dist", "density", "method", "time_ms", "vs_best_peer", "bytes/floor", "#wrong")
+LEGEND = {
+    "density": "lookups per rank / table rows (batch = density x --rows ids, one gradient row each)",
+    "time_ms": "median ms per sync (median over rounds, then over ranks)",
+    "vs_best_peer": "time of the fastest of dense / torch_sparse / allgather over this method's (> 1: faster)",
+    "bytes/floor": "bytes sent + received per rank over the owner-based floor (n-1)/n (k+U) rows, docs/DESIGN.md",
+    "#wrong": "elements off the float64 sum of every rank's input (0: correct; a non-zero count exits 3)",
+    "skipped": "a method that does not apply to this setting",
+}
 
 
 # ------------------------------------------------------------------ inputs and reference
@@ -160,8 +177,11 @@ class Methods:
         self.rows, self.dim, self.dtype, self.device = a.rows, a.dim, DTYPES[a.dtype], device
         self.lws = a.lws
         self.names = [m for m in a.methods.split(",") if m]
+        self.skipped: Dict[str, str] = {}
         if "sparsecomm_local" in self.names and not (1 < a.lws < self.n and self.n % a.lws == 0):
             self.names.remove("sparsecomm_local")  # needs more than one emulated node of lws ranks
+            self.skipped["sparsecomm_local"] = (f"needs 2+ emulated nodes: --lws {a.lws} must be > 1, "
+                                                f"< the world size {self.n} and divide it")
         self.dense_table = (torch.zeros(a.rows, a.dim, dtype=self.dtype, device=device)
                             if "dense" in self.names else None)
         # gloo's sparse allreduce is the only one torch has (NCCL has none: pytorch#22400): on a
@@ -245,6 +265,11 @@ class Methods:
     def run_sparsecomm_densify(self) -> torch.Tensor:
         self.stats = SparseSyncStats()
         return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method="densify",
+                                           stats=self.stats)
+
+    def run_sparsecomm_tree(self) -> torch.Tensor:
+        self.stats = SparseSyncStats()
+        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method="tree",
                                            stats=self.stats)
 
     # Bytes sent + received by this rank, and what of it crosses emulated nodes (None: not counted).
@@ -347,6 +372,8 @@ def body(a: argparse.Namespace) -> List[Row]:
     dtype = DTYPES[a.dtype]
     row_bytes = a.dim * dtype.itemsize + torch.empty(0, dtype=wire_index_dtype(a.rows)).element_size()
     perm = torch.from_numpy(np.random.default_rng(a.seed + 0x5EED).permutation(a.rows))
+    if me == 0:
+        progress(f"sparse_sync world {n}: measuring the link speed (all_to_all of {a.link_bytes})")
     rate = link_rate(device, parse_size(a.link_bytes))
     if me == 0:
         print(f"# sparse sync: world={n} backend={a.backend} device={a.device} table={a.rows}x{a.dim} {a.dtype} "
@@ -355,9 +382,15 @@ def body(a: argparse.Namespace) -> List[Row]:
               f"link={rate / 1e9:.3f} GB/s per rank (sent+received, all_to_all of {a.link_bytes})", flush=True)
     rows: List[Row] = []
     case = 0
+    cases = len(a.dist.split(",")) * len(_floats(a.densities))
     for dist_name in a.dist.split(","):
         for density in _floats(a.densities):
             case += 1
+            label = (f"sparse_sync world {n}: {dist_name} density {density:g} ({case}/{cases}), "
+                     f"{len(methods.names)} methods")
+            t0 = time.monotonic()
+            if me == 0:
+                progress(f"{label}: checking, then {a.iters} timed rounds ...")
             work = Workload(a, dist_name, density, case, perm)
             ref = Reference(work, n)
             methods.set_batch(*work.batch_of(me))
@@ -368,13 +401,24 @@ def body(a: argparse.Namespace) -> List[Row]:
             everyone: List[Any] = [None] * n
             dist.all_gather_object(everyone, (mine, floor))
             if me == 0:
-                rows += _rows(a, n, work, ref, methods.names, everyone, rate)
+                new = _rows(a, n, work, ref, methods.names, everyone, rate, methods.skipped)
+                rows += new
+                progress(f"{label}: done in {time.monotonic() - t0:.1f} s ({_summary(new)})")
             del ref
     return rows
 
 
+def _summary(rows: Sequence[Row]) -> str:
+    """The fastest method of a case and any wrong result, for its progress line."""
+    timed = [r.cols for r in rows if isinstance(r.cols.get("time_ms"), float)]
+    text = (f"fastest {min(timed, key=lambda c: c['time_ms'])['method']}, "
+            f"{min(c['time_ms'] for c in timed):.3g} ms") if timed else "nothing timed"
+    wrong = [r.cols["method"] for r in rows if r.cols.get("#wrong") not in (0, "", None)]
+    return text + (f"; WRONG or failed: {', '.join(wrong)}" if wrong else "")
+
+
 def _rows(a: argparse.Namespace, n: int, work: Workload, ref: Reference, names: Sequence[str],
-          everyone: Sequence[Any], rate: float) -> List[Row]:
+          everyone: Sequence[Any], rate: float, skipped: Optional[Dict[str, str]] = None) -> List[Row]:
     floor = statistics.mean(f for _, f in everyone)
     med: Dict[str, Optional[float]] = {}
     for name in names:
@@ -413,6 +457,8 @@ def _rows(a: argparse.Namespace, n: int, work: Workload, ref: Reference, names: 
             cols["error"] = errs[0] if errs else "no time"
         cols["#wrong"] = int(sum(w for w in wrongs if w is not None)) if not errs else -1
         out.append(Row(cols))
+    for name, why in (skipped or {}).items():  # listed, not counted as wrong: the exit status stays 0
+        out.append(Row({"world": n, "dist": dist_label, "density": work.density, "method": name, "skipped": why}))
     return out
 
 
@@ -458,4 +504,4 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     if a.warmup < 1 or a.iters < 1 or a.dense_iters < 0:
         p.error("--warmup and --iters must be >= 1, --dense-iters >= 0")
     return run_distributed("sparse_sync", argv, a, body, "sparse gradient sync (time: median over rounds; "
-                           "min/max: per-rank medians)", plot)
+                           "min/max: per-rank medians)", plot, compact_cols=COMPACT_COLS, legend=LEGEND)
