@@ -18,7 +18,21 @@ MODES = ("ddp-default", "sparsecomm")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written, and every option's default in --help."""
+    """The module docstring as written, and every option's default in --help.
+
+    An option without a help text still shows its default; one whose help
+    already says its default ("default: per example") is not told twice.
+    """
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings and action.default is not argparse.SUPPRESS:
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -27,7 +41,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default="sparsecomm",
                    help="ddp-default: DDP's own gradient sync; sparsecomm: DDP + sparsecomm.register")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: per example)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
     p.add_argument("--log-every", type=int, default=20, help="progress line every N steps")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line too")
@@ -103,6 +117,8 @@ def train(args, topo, step_fn: Callable[[int], float], eval_fn: Optional[Callabl
         summary["paths"] = {k: d.method.value for k, d in state.decisions.items()}
     if topo.rank == 0:
         print(f"[{name}] summary: " + _fmt(summary), flush=True)
+        if state is not None:  # the path each table took, and why (the classifier's decision log)
+            print(state.summary(), flush=True)
         if args.json:
             print("SUMMARY " + json.dumps(summary), flush=True)
     return summary
