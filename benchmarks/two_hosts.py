@@ -1,7 +1,8 @@
 """Two emulated hosts on one machine: what local aggregation saves on a slow link between nodes.
 
-Creates two network namespaces joined by a veth pair whose both ends are
-capped with a token-bucket filter (``tc ... tbf``), starts ``--ranks-per-host``
+Creates two network namespaces joined by a bridge, each host's link capped
+both ways with a token-bucket filter (``tc ... tbf``; see
+``sparsecomm.bench.netns``, shared with ``benchmarks/cluster.py``), starts ``--ranks-per-host``
 ranks in each (torchrun-style variables, gloo bound to the veth), and times
 ``sparsecomm.sparse_allreduce`` on Zipf batches with and without local
 (intra-host) aggregation, reporting bytes that crossed between hosts and the
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -25,53 +25,7 @@ import sys
 import time
 from typing import List
 
-SUBNET = "10.231.{}.{}"
-
-
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
-class TwoHosts:
-    """Context manager owning the namespaces, the veth pair and the tbf qdiscs."""
-
-    def __init__(self, rate: str, latency_ms: float):
-        tag = f"{os.getpid() % 100000}"
-        self.ns = [f"sc_host{tag}a", f"sc_host{tag}b"]
-        self.dev = [f"sc{tag}va", f"sc{tag}vb"]
-        net = 1 + os.getpid() % 250
-        self.addr = [SUBNET.format(net, 1), SUBNET.format(net, 2)]
-        self.rate, self.latency_ms = rate, latency_ms
-
-    def __enter__(self) -> "TwoHosts":
-        try:
-            for ns in self.ns:
-                _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", self.dev[0], "type", "veth", "peer", "name", self.dev[1])
-            for ns, dev, addr in zip(self.ns, self.dev, self.addr):
-                _sh("ip", "link", "set", dev, "netns", ns)
-                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-                _sh("ip", "-n", ns, "link", "set", dev, "up")
-                _sh("ip", "-n", ns, "link", "set", "lo", "up")
-                # Cap each direction of the link between the hosts.
-                _sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
-                    "burst", "256kb", "latency", f"{self.latency_ms}ms")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        # Deleting a namespace deletes the veth end inside it, and with it the pair.
-        for ns in self.ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        for dev in self.dev:
-            subprocess.run(["ip", "link", "del", dev], capture_output=True)
-
-    def exists(self) -> bool:
-        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return any(ns in out for ns in self.ns)
-
+from sparsecomm.bench.netns import EmulatedCluster, can_emulate
 
 def _worker(args: argparse.Namespace) -> None:
     import torch
@@ -116,14 +70,14 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+    why = can_emulate()
+    if why:
         # Not a success: nothing was measured. Run it as root with the Python
         # that has sparsecomm installed (`sudo python3` may pick another one).
-        print("two_hosts: not run: needs root and iproute2's ip/tc (as root: python3 benchmarks/two_hosts.py ...)",
-              file=sys.stderr)
+        print(f"two_hosts: not run: {why} (as root: python3 benchmarks/two_hosts.py ...)", file=sys.stderr)
         return 2
     world = 2 * args.ranks_per_host
-    with TwoHosts(args.rate, args.latency_ms) as hosts:
+    with EmulatedCluster(2, args.rate, args.latency_ms) as hosts:
         procs = []
         try:
             for rank in range(world):

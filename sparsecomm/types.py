@@ -23,6 +23,7 @@ class SyncMethod(str, enum.Enum):
     ALLGATHER = "allgather"      # every rank gathers every rank's rows and sums locally (Horovod)
     DENSIFY = "densify"          # scatter into the dense table and allreduce it (+ a row mask)
     TORCH = "torch"              # the backend's own sparse all_reduce (gloo), then coalesced
+    TREE = "tree"                # recursive doubling, merging rows at each of log2 N stages (SparCML)
 
 
 class ReduceOp(str, enum.Enum):

@@ -3,8 +3,8 @@
 :func:`fused_exchange`: every flat-partitioned and allgather tensor of a call
 in one push all-to-all, then (partitioned) one pull-count exchange and one
 pull all-to-all for all of them. :func:`one_by_one`: the paths that cannot
-share those collectives (two-level aggregation, densify, gloo's own sparse
-all_reduce), per tensor.
+share those collectives (two-level aggregation, densify, the tree in
+``tree.py``, gloo's own sparse all_reduce), per tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from sparsecomm.collectives.exchange import (allgather_rows, count_bytes, exchan
 from sparsecomm.collectives.groups import node_groups
 from sparsecomm.collectives.sync_plan import (ERR_OK, ERR_RANGE, Peers, Rows, SyncPlan, check_peers, meta_row,
                                               meta_width)
+from sparsecomm.collectives.tree import tree_allreduce
 from sparsecomm.types import ReduceOp, SparseSyncStats, SyncMethod
 
 __all__ = ["capped_allgather", "fused_exchange", "one_by_one"]
@@ -213,6 +214,8 @@ def one_by_one(t: Rows, p: Peers, plan: SyncPlan) -> Tuple[torch.Tensor, torch.T
             # Divide before the sum, as DDP does: fp16 overflows otherwise.
             values = values.to(t.sum_dtype).div_(n).to(values.dtype)
         ids, values = _densify_allreduce(ids, values, t.num_rows, plan.group, plan.comm_device, t.stats)
+    elif t.method is SyncMethod.TREE:
+        ids, values = tree_allreduce(t, p, plan)
     else:  # the backend's own sparse all_reduce (gloo: an allgather of sizes, ids and values)
         ids, values = _torch_allreduce(t, plan)
     return ids, values

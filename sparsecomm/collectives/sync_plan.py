@@ -223,7 +223,8 @@ def _header(rows: Rows, plan: SyncPlan) -> List[int]:
     digest = zlib.crc32(repr((shape, str(rows.tensor.dtype))).encode())
     return [_MAGIC, ops.VALUE_DTYPES.index(rows.tensor.dtype), len(shape), rows.tensor.sparse_dim(), digest, *dims,
             ["sum", "avg"].index(plan.op.value), ["hash", "range"].index(plan.scheme),
-            plan.local_world_size if rows.hierarchical else 1, list(SyncMethod).index(rows.method)]
+            plan.local_world_size if rows.hierarchical or rows.method is SyncMethod.TREE else 1,
+            list(SyncMethod).index(rows.method)]
 
 
 def _describe(row: Sequence[int]) -> str:
