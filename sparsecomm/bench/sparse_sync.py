@@ -272,11 +272,6 @@ class Methods:
         return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method="tree",
                                            stats=self.stats)
 
-    def run_sparsecomm_tree(self) -> torch.Tensor:
-        self.stats = SparseSyncStats()
-        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method="tree",
-                                           stats=self.stats)
-
     # Bytes sent + received by this rank, and what of it crosses emulated nodes (None: not counted).
     def wire_bytes(self, name: str, distinct: Sequence[int]) -> Tuple[float, Optional[float]]:
         n, me = self.n, self.me
