@@ -1,4 +1,4 @@
-"""The two-emulated-hosts script: real namespaces and a capped veth link (root only)."""
+"""The emulated-hosts scripts (two_hosts.py, cluster.py): real namespaces and capped links (root only)."""
 
 import json
 import os
@@ -45,5 +45,33 @@ def test_cleans_up_when_ranks_fail():
         pytest.skip("network namespaces not permitted here")
     out = subprocess.run([sys.executable, str(SCRIPT), "--rows", "1000", "--fail", "--timeout", "120"],
                          capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "failed" in out.stderr
+    assert "sc_host" not in _namespaces()
+
+
+CLUSTER = SCRIPT.parent / "cluster.py"
+
+
+def test_cluster_sweep_checks_every_method_and_cleans_up(tmp_path):
+    if not _can_make_namespaces():
+        pytest.skip("network namespaces not permitted here")
+    out_json = tmp_path / "cluster.json"
+    out = subprocess.run([sys.executable, str(CLUSTER), "--topologies", "2x1", "--rates", "500mbit",
+                          "--overlaps", "shared", "--densities", "0.01", "--rows", "20000", "--iters", "1",
+                          "--json", str(out_json)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = json.loads(out_json.read_text())["records"]
+    timed = {r["method"]: r for r in records if "wrong" in r}
+    assert set(timed) == {"dense", "torch", "allgather", "partitioned", "tree"}  # two_level needs 2+ ranks/host
+    assert all(r["wrong"] == 0 and r["seconds"] > 0 for r in timed.values())
+    assert any(r["method"] == "auto" and r["picked"] in timed for r in records)
+    assert "sc_host" not in _namespaces()
+
+
+def test_cluster_cleans_up_when_ranks_fail():
+    if not _can_make_namespaces():
+        pytest.skip("network namespaces not permitted here")
+    out = subprocess.run([sys.executable, str(CLUSTER), "--topologies", "2x1", "--rows", "1000", "--fail",
+                          "--timeout", "120"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "failed" in out.stderr
     assert "sc_host" not in _namespaces()

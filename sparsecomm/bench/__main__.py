@@ -11,6 +11,7 @@ BENCHMARKS = {
     "allreduce": "sparsecomm.bench.allreduce",
     "sparse_sync": "sparsecomm.bench.sparse_sync",
     "sharded": "sparsecomm.bench.sharded",
+    "project": "sparsecomm.bench.project",
 }
 
 

@@ -86,7 +86,10 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
             dense table and allreduce it with a row mask: cheaper when most
             rows are touched; the table travels in the tensor's dtype, as a
             dense allreduce would) or ``"torch"`` (the backend's own sparse
-            ``all_reduce``, gloo only, then coalesced). All give the same
+            ``all_reduce``, gloo only, then coalesced) or ``"tree"``
+            (recursive doubling, merging rows at each of log2 N stages:
+            fewest bytes when ranks' rows barely overlap, most so between
+            hosts; 2 + 2 log2 N messages). All give the same
             rows and, up to floating-point summation order, the same sums.
         nonfinite: ``"raise"`` (default): any NaN/Inf in any rank's values
             raises ``ValueError`` on every rank before the exchange (checked

@@ -86,12 +86,16 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
     if world_size <= 1:
         return Decision(SyncMethod.PARTITIONED, "world size 1: nothing to exchange", est)
     fit = _fit(fitted)
-    priced = [m for m in allowed if fit is not None and _FITTED_NAME[m] in fit.coef]
+    priced = [m for m in allowed if fit is not None and _FITTED_NAME[m] in fit.coef]  # partitioned: see below
     density = union_rows / max(1, num_rows)
     shape = (f"(N={world_size}, k={rows_mean:.0f}, U={union_rows}, V={num_rows}, "
              f"union density {density:.2%})")
     if priced:
-        cost = {m: fit.seconds(_FITTED_NAME[m], world_size, rows_mean, union_rows, num_rows, row_elems,
+        # With several ranks per host the hook's partitioned path is two-level (local aggregation).
+        two_level = (fit.ranks_per_host > 1 and world_size > fit.ranks_per_host
+                     and world_size % fit.ranks_per_host == 0 and "two_level" in fit.coef)
+        name = dict(_FITTED_NAME, **({SyncMethod.PARTITIONED: "two_level"} if two_level else {}))
+        cost = {m: fit.seconds(name[m], world_size, rows_mean, union_rows, num_rows, row_elems,
                                elem_bytes, index_bytes) for m in priced}
         best = min(cost, key=lambda m: (cost[m], list(SyncMethod).index(m)))
         reason = "fitted s/call: " + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items()) + " " + shape
