@@ -10,6 +10,9 @@ from sparsecomm.collectives import last_stats, sparse_allreduce, sparse_allreduc
 from sparsecomm.collectives.bootstrap import init_distributed, shutdown, topology
 from sparsecomm import sharded
 from sparsecomm.hooks import SparseCommState, register, sparsecomm_hook
+from sparsecomm.planner import Plan, TablePlan, plan
+from sparsecomm.parallel import parallelize
+from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded import ShardedAdagrad, ShardedAdam, ShardedEmbedding, ShardedEmbeddingBag, ShardedSGD
 from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod, Topology
 
@@ -18,6 +21,7 @@ __all__ = [
     "ops", "init_distributed", "shutdown", "topology",
     "sparse_allreduce", "sparse_allreduce_coalesced", "last_stats", "SparseSyncStats", "SyncMethod", "PartitionScheme", "Topology",
     "register", "sparsecomm_hook", "SparseCommState",
+    "plan", "Plan", "TablePlan", "parallelize", "ParallelOptimizer",
     "sharded", "ShardedEmbedding", "ShardedEmbeddingBag", "ShardedSGD", "ShardedAdagrad", "ShardedAdam",
     "__version__",
 ]

@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 from sparsecomm.collectives.sharded_exchange import agree, all_gather_objects, barrier, world
+from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded.embedding import sharded_modules
 from sparsecomm.sharded.optimizer import ShardedOptimizer
 
@@ -131,8 +132,22 @@ def _optimizer_tables(optimizer: Optional[ShardedOptimizer], tables) -> Dict[str
     return out
 
 
-def save(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer] = None,
-         extra: Any = None) -> Dict[str, Any]:
+def _split(optimizer: Any) -> Tuple[Optional[ShardedOptimizer], Dict[str, torch.optim.Optimizer]]:
+    """The sharded optimizer and the replicated parts (a :class:`ParallelOptimizer` holds both)."""
+    if isinstance(optimizer, ParallelOptimizer):
+        return optimizer.sharded, {k: o for k, o in optimizer.parts.items() if k != "sharded"}
+    if optimizer is not None and not isinstance(optimizer, ShardedOptimizer):
+        raise TypeError(f"optimizer must be a sharded optimizer or the ParallelOptimizer of sparsecomm.parallelize, "
+                        f"got {type(optimizer).__name__} (pass a dense optimizer's state_dict() in extra=)")
+    return optimizer, {}
+
+
+def _plan_of(model: nn.Module) -> Optional[Dict[str, Any]]:
+    plan = getattr(_unwrap(model), "sparsecomm_plan", None)
+    return plan.to_dict() if plan is not None else None
+
+
+def save(directory: str, model: nn.Module, optimizer: Any = None, extra: Any = None) -> Dict[str, Any]:
     """Write a checkpoint of ``model`` (and its sharded optimizer) into ``directory``; collective.
 
     Each rank writes its shard of every sharded table (values, ownership map,
@@ -144,7 +159,9 @@ def save(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
         directory: created if needed; an older checkpoint there is replaced
             (its manifest goes first, so a crash midway never looks complete).
         model: the model (or DDP wrapper) holding the sharded tables.
-        optimizer: the sharded optimizer of those tables, if any.
+        optimizer: the sharded optimizer of those tables, or the
+            ``ParallelOptimizer`` of ``sparsecomm.parallelize`` (its replicated
+            parts' state is saved too), if any.
         extra: anything ``torch.load(weights_only=True)`` can read back
             (e.g. the dense optimizer's and LR scheduler's ``state_dict()``,
             the epoch); :func:`load` returns it.
@@ -153,6 +170,7 @@ def save(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
         The manifest (as written to ``manifest.json``).
     """
     tables, group, rank, world_size = _tables_and_group(model)
+    optimizer, replicated = _split(optimizer)
     names = [n for n, _ in tables]
     by_table = _optimizer_tables(optimizer, tables)
     os.makedirs(directory, exist_ok=True)
@@ -184,8 +202,9 @@ def save(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
             weight_names = {id(t.local_weight): n for n, t in tables}
             groups = [{**{k: v for k, v in g.items() if k != "params"},
                        "tables": [weight_names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+        # Replicated optimizers hold the same state on every rank (DDP keeps them in step): rank 0's is saved.
         dense = {"format": FORMAT, "model": _dense_state(model, names), "optimizer_groups": groups,
-                 "extra": extra}
+                 "replicated_optimizers": {k: o.state_dict() for k, o in replicated.items()}, "extra": extra}
         files[DENSE] = _atomic_write(os.path.join(directory, DENSE), lambda f: torch.save(dense, f))
 
     gathered = all_gather_objects((files, summary), group)
@@ -195,6 +214,8 @@ def save(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
         "format": FORMAT, "world_size": world_size, "created_unix": time.time(),
         "sparsecomm": __version__, "torch": torch.__version__,
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "replicated_optimizers": {k: type(o).__name__ for k, o in replicated.items()},
+        "plan": _plan_of(model),
         "tables": {name: {"num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
                           "dtype": str(t.local_weight.dtype).replace("torch.", ""), "scheme": t.scheme,
                           "kind": type(t).__name__,
@@ -348,8 +369,7 @@ def _reshard(directory: str, manifest: Dict[str, Any], tables, optimizer: Option
     return out
 
 
-def load(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer] = None,
-         strict: bool = True) -> Any:
+def load(directory: str, model: nn.Module, optimizer: Any = None, strict: bool = True) -> Any:
     """Load a checkpoint written by :func:`save` at any world size and scheme; collective.
 
     Every rank verifies the manifest and every file's size, and hashes its
@@ -361,7 +381,9 @@ def load(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
     Args:
         directory: the checkpoint directory.
         model: the model (or DDP wrapper) at the current world size.
-        optimizer: the sharded optimizer to restore (must be of the type saved).
+        optimizer: the sharded optimizer to restore (must be of the type
+            saved), or the ``ParallelOptimizer`` of ``sparsecomm.parallelize``
+            (with the same replicated optimizers as saved).
         strict: refuse a checkpoint whose tables or replicated state keys
             differ from the model's (as ``load_state_dict(strict=True)``).
 
@@ -374,6 +396,7 @@ def load(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
             message names the rank and the problem.
     """
     tables, group, _, _ = _tables_and_group(model)
+    optimizer, replicated = _split(optimizer)
     what = f"sparsecomm.sharded.load refused {directory}"
     manifest = error = None
     try:
@@ -381,6 +404,10 @@ def load(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
         # one collective that makes a mismatch anywhere everyone's refusal.
         manifest = verify(directory, share=(0, 1) if group is None else world(group))
         _check_fits(manifest, tables, optimizer, strict)
+        kinds = {k: type(o).__name__ for k, o in replicated.items()}
+        if replicated and manifest.get("replicated_optimizers") != kinds:
+            raise CheckpointError(f"the checkpoint holds replicated optimizers {manifest.get('replicated_optimizers')}"
+                                  f", loading into {kinds}")
     except (CheckpointError, OSError, KeyError, TypeError) as exc:
         error = str(exc) or repr(exc)
     agree(error, group, what)
@@ -396,6 +423,12 @@ def load(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
         if optimizer is not None and len(dense["optimizer_groups"]) != len(optimizer.param_groups):
             raise CheckpointError(f"the optimizer had {len(dense['optimizer_groups'])} param groups, "
                                   f"it has {len(optimizer.param_groups)} now")
+        for k, o in replicated.items():
+            # Checked here, before anything changed: a state for other parameters is refused.
+            saved = dense["replicated_optimizers"][k]
+            if len(saved["param_groups"]) != len(o.param_groups) or any(
+                    len(a["params"]) != len(b["params"]) for a, b in zip(saved["param_groups"], o.param_groups)):
+                raise CheckpointError(f"the replicated optimizer {k!r} had other parameters when it was saved")
     except Exception as exc:  # any failure on any rank: everyone refuses, nothing changed
         error = f"{type(exc).__name__}: {exc}"
     agree(error, group, what)
@@ -415,6 +448,8 @@ def load(directory: str, model: nn.Module, optimizer: Optional[ShardedOptimizer]
         if optimizer is not None:
             for g, saved in zip(optimizer.param_groups, dense["optimizer_groups"]):
                 g.update({k: v for k, v in saved.items() if k not in ("params", "tables")})
+        for k, o in replicated.items():
+            o.load_state_dict(dense["replicated_optimizers"][k])
     return dense["extra"]
 
 

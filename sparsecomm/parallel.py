@@ -1,0 +1,151 @@
+"""``sparsecomm.parallelize``: a single-process model to data-parallel training in one call.
+
+Applies a :class:`~sparsecomm.planner.Plan` (decided by
+:func:`sparsecomm.plan` when none is given): tables the plan shards become
+``ShardedEmbedding(Bag)`` holding rank 0's weights (as DDP broadcasts rank 0's
+parameters) and share one lookup round per step; the rest of the model goes
+under DDP with the sparsecomm hook; one optimizer drives both
+(:class:`~sparsecomm.sharded.combined.ParallelOptimizer`). Everything is
+checked before anything is modified (docs/PARALLELIZE.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple, Type
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sparsecomm.collectives.sharded_exchange import all_gather_objects, world
+from sparsecomm.hooks import register
+from sparsecomm.planner import Plan, embedding_modules, plan as make_plan
+from sparsecomm.sharded.combined import ParallelOptimizer, build_optimizer, check_optimizer
+from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag
+from sparsecomm.sharded.lookup import group_tables
+
+__all__ = ["parallelize"]
+
+
+def _check_plan(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: int,
+                optimizer_class: Type[torch.optim.Optimizer]) -> None:
+    if p.world_size != n:
+        # A plan from a checkpoint at another world size keeps its placements; its numbers are stale.
+        p.world_size = n
+    missing = sorted(set(modules) - set(p.tables))
+    extra = sorted(set(p.tables) - set(modules))
+    if missing or extra:
+        raise ValueError(f"sparsecomm.parallelize: the plan does not match the model: tables missing from the plan "
+                         f"{missing}, in the plan but not in the model {extra}")
+    for name in p.sharded():
+        m, t = modules[name], p.tables[name]
+        if (m.num_embeddings, m.embedding_dim) != (t.num_embeddings, t.embedding_dim):
+            raise ValueError(f"sparsecomm.parallelize: table {name!r} is {m.num_embeddings} x {m.embedding_dim} but "
+                             f"the plan has {t.num_embeddings} x {t.embedding_dim}")
+        if t.blocker:
+            raise ValueError(f"sparsecomm.parallelize: table {name!r} cannot be sharded: {t.blocker}; replicate it "
+                             f"(plan.override({name!r}, 'replicate'))")
+        if optimizer_class is torch.optim.Adam and not m.sparse:
+            raise ValueError(f"sparsecomm.parallelize: table {name!r} has sparse=False, so Adam updates all of its rows "
+                             f"every step (momentum), but a sharded table's Adam is lazy (SparseAdam's rule): "
+                             f"replicate it (plan.override({name!r}, 'replicate')) or make it sparse=True")
+
+
+def _sharded_twin(m: nn.Module, weight: torch.Tensor, scheme: str, group) -> nn.Module:
+    common = dict(scheme=scheme, group=group, dtype=weight.dtype, device=weight.device, _weight=weight,
+                  _freeze=not m.weight.requires_grad)
+    if isinstance(m, nn.EmbeddingBag):
+        return ShardedEmbeddingBag(m.num_embeddings, m.embedding_dim, m.mode,
+                                   include_last_offset=m.include_last_offset, padding_idx=m.padding_idx, **common)
+    return ShardedEmbedding(m.num_embeddings, m.embedding_dim, m.padding_idx, **common)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], *, plan: Optional[Plan] = None,
+                process_group: Optional[dist.ProcessGroup] = None, sample_batch: Any = None,
+                memory_budget: Optional[int] = None, ddp_kwargs: Optional[Dict[str, Any]] = None,
+                hook_options: Optional[Dict[str, Any]] = None, **optimizer_kwargs) -> Tuple[nn.Module,
+                                                                                          ParallelOptimizer]:
+    """Make ``model`` data-parallel: the plan's tables sharded, the rest under DDP + sparsecomm; collective.
+
+    Every rank calls it with the same model (weights may differ: rank 0's win,
+    as with DDP). Without torch.distributed initialized it is a world of one.
+
+    Args:
+        model: a single-process model (modified in place: sharded tables replace
+            the planned ``nn.Embedding(Bag)`` modules).
+        optimizer_class: ``torch.optim.SGD``, ``Adagrad``, ``Adam`` or
+            ``SparseAdam`` (any torch optimizer when nothing is sharded).
+        plan: placements (default: ``sparsecomm.plan(model, sample_batch, ...)``).
+        process_group: the ranks training together (default: the whole world).
+        sample_batch, memory_budget: passed to :func:`sparsecomm.plan` when no plan is given.
+        ddp_kwargs: extra arguments of ``DistributedDataParallel``.
+        hook_options: options of ``sparsecomm.register`` (``SparseCommState``).
+        **optimizer_kwargs: the optimizer's options (``lr=...``).
+
+    Returns:
+        ``(model, optimizer)``: the DDP-wrapped model (the model itself when
+        nothing is left for DDP or there are no peers) and one
+        :class:`~sparsecomm.sharded.combined.ParallelOptimizer`.
+        ``model.sparsecomm_plan`` (on the inner module) is the plan applied;
+        ``sparsecomm.sharded.save`` records it.
+
+    Raises:
+        ValueError: before anything is modified, on every rank: the plan does
+            not match the model, a table the plan shards uses an option only a
+            replica honours, the optimizer has no owner-side twin or uses
+            options the twin lacks, or ranks disagree on the model.
+    """
+    _, n = world(process_group)
+    modules = dict(embedding_modules(model))
+    if plan is None:
+        plan = make_plan(model, sample_batch, process_group=process_group, memory_budget=memory_budget,
+                         optimizer=optimizer_class)
+    group = (process_group or dist.group.WORLD) if n > 1 else None
+    error = None
+    try:
+        _check_plan(model, plan, modules, n, optimizer_class)
+        sparse_replicas = any(modules[name].sparse for name in modules if name not in plan.sharded())
+        check_optimizer(optimizer_class, optimizer_kwargs, bool(plan.sharded()), sparse_replicas)
+    except ValueError as exc:
+        error = str(exc)
+    # Every rank must hold the same plan: one rank refusing means all refuse.
+    verdicts = all_gather_objects((error, [(t, plan.tables[t].scheme) for t in plan.sharded()]), group)
+    for r, (err, placed) in enumerate(verdicts):
+        if err:
+            raise ValueError(err if r == world(process_group)[0] else f"rank {r}: {err}")
+        if placed != verdicts[0][1]:
+            raise ValueError(f"sparsecomm.parallelize: rank {r} shards {placed} but rank 0 shards {verdicts[0][1]}: "
+                             f"pass the same plan on every rank")
+
+    # Nothing was modified so far. Shard the planned tables, with rank 0's rows.
+    src = dist.get_global_rank(process_group, 0) if process_group is not None and n > 1 else 0
+    tables: List[nn.Module] = []
+    for name in plan.sharded():
+        m = modules[name]
+        weight = m.weight.detach()
+        if n > 1:
+            weight = weight.clone()
+            dist.broadcast(weight, src, group=process_group)
+        new = _sharded_twin(m, weight, plan.tables[name].scheme, process_group)
+        _replace(model, name, new)
+        tables.append(new)
+    if tables:
+        group_tables(model, tables)
+    model.sparsecomm_plan = plan
+
+    sparse = [m.weight for name, m in modules.items() if name not in plan.sharded() and m.sparse
+              and m.weight.requires_grad]
+    sparse_ids = {id(p) for p in sparse}
+    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse_ids]
+    wrapped: nn.Module = model
+    if n > 1 and (dense or sparse):
+        wrapped = DDP(model, process_group=process_group, **(ddp_kwargs or {}))
+        register(wrapped, **(hook_options or {}))
+    optimizer = build_optimizer(optimizer_class, optimizer_kwargs, dense, sparse, tables)
+    return wrapped, optimizer

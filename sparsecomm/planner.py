@@ -1,0 +1,335 @@
+"""Where each embedding table of a model lives: replicated under DDP, or row-sharded on its owners.
+
+:func:`plan` decides one :class:`TablePlan` per ``nn.Embedding`` /
+``nn.EmbeddingBag`` of a single-process model, with its reason in numbers
+(docs/PARALLELIZE.md):
+
+- ``replicate``: the table stays a parameter under DDP; the sparsecomm hook
+  synchronizes its gradient (fused with every other replicated table and the
+  small dense buckets: no collective of its own).
+- ``shard``: a :class:`~sparsecomm.sharded.ShardedEmbedding(Bag)` holds ~V/N
+  rows per rank and updates them on their owner; every sharded table of the
+  model shares one lookup round per step (4 all-to-alls in all).
+
+The rule, in order (the first that applies):
+
+1. a module option only a replica honours (``max_norm``,
+   ``scale_grad_by_freq``), a frozen table, or one world rank: replicate;
+2. a table whose replica does not fit ``memory_budget`` (tables placed
+   largest first): shard; none fits: ``ValueError``;
+3. smaller than ``small_table_bytes``: replicate (a replica is cheap and its
+   rows ride in the hook's fused sync);
+4. with a sample batch: shard when the predicted cost per step and rank is
+   lower sharded (lookup ids + rows + gradients, and the optimizer on U/N
+   rows) than replicated (the hook's cheaper path: allgather or partitioned,
+   and the optimizer on all U rows); without one: shard (large tables).
+
+A sample batch is measured with one collective: every rank's distinct ids per
+table go to every rank, which computes the same union and skew, so every rank
+reaches the same plan. Ranks whose models differ get ``ValueError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from sparsecomm import cost_model
+from sparsecomm.collectives.exchange import wire_index_dtype
+from sparsecomm.collectives.sharded_exchange import all_gather_objects, world
+
+__all__ = ["Plan", "TablePlan", "plan", "PLACEMENTS", "PLAN_FORMAT"]
+
+PLACEMENTS = ("replicate", "shard")
+PLAN_FORMAT = "sparsecomm.plan/1"
+# Optimizer state per element of a table: SGD none, Adagrad one sum, Adam two moments.
+_STATE_FACTOR = {"SGD": 0, "Adagrad": 1, "Adam": 2, "SparseAdam": 2}
+# Optimizer work per row, in bytes it touches per byte of row (read/write weight and state), and the
+# price of one such byte in link bytes: memory here is ~15x faster than the loopback link (docs/PARALLELIZE.md).
+_OPT_TOUCH = {"SGD": 2, "Adagrad": 4, "Adam": 6, "SparseAdam": 6}
+OPTIMIZER_BYTE_PRICE = 1 / 16
+
+
+@dataclasses.dataclass
+class TablePlan:
+    """One table's placement and the numbers behind it (per rank; bytes per step)."""
+
+    name: str
+    kind: str                        # "Embedding" or "EmbeddingBag"
+    num_embeddings: int
+    embedding_dim: int
+    dtype: str
+    placement: str = "replicate"     # "replicate" or "shard"
+    scheme: str = "hash"             # row ownership when sharded
+    reason: str = ""
+    memory_replicated: int = 0       # rows + optimizer state, one full replica
+    memory_sharded: int = 0          # this rank's ~V/N rows + state + ownership map
+    bytes_replicated: Optional[float] = None   # the hook's cheaper path, for the sample batch
+    bytes_sharded: Optional[float] = None      # ids + rows + gradients of the sample batch
+    distinct: Optional[Tuple[int, ...]] = None  # distinct ids per rank in the sample batch
+    union: Optional[int] = None
+    overridden: bool = False
+    blocker: str = ""                # why this table cannot be sharded ("" when it can)
+
+    @property
+    def memory(self) -> int:
+        return self.memory_sharded if self.placement == "shard" else self.memory_replicated
+
+    @property
+    def skew(self) -> Optional[float]:
+        """Largest rank's distinct ids over the mean (1.0: balanced)."""
+        if not self.distinct or not sum(self.distinct):
+            return None
+        return max(self.distinct) * len(self.distinct) / sum(self.distinct)
+
+
+def _mib(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+@dataclasses.dataclass
+class Plan:
+    """Placements of every embedding table of a model (print it for the table and the reasons)."""
+
+    tables: Dict[str, TablePlan]
+    world_size: int
+    optimizer: str = "SGD"
+    memory_budget: Optional[int] = None
+
+    def __getitem__(self, name: str) -> TablePlan:
+        if name not in self.tables:
+            raise KeyError(f"no table {name!r} in the plan (tables: {sorted(self.tables)})")
+        return self.tables[name]
+
+    def sharded(self) -> List[str]:
+        """Names of the tables the plan shards, in model order."""
+        return [n for n, t in self.tables.items() if t.placement == "shard"]
+
+    def override(self, name: str, placement: str, scheme: Optional[str] = None) -> "Plan":
+        """Place table ``name`` by hand; returns the plan.
+
+        Raises:
+            KeyError: no such table.
+            ValueError: an unknown placement or scheme, or a table that cannot
+                be sharded (the reason names the module option).
+        """
+        t = self[name]
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        if scheme is not None and scheme not in ("hash", "range"):
+            raise ValueError(f"scheme must be 'hash' or 'range', got {scheme!r}")
+        if placement == "shard" and t.blocker:
+            raise ValueError(f"table {name!r} cannot be sharded: {t.blocker}")
+        t.placement, t.overridden = placement, True
+        t.scheme = scheme or t.scheme
+        t.reason = "set by plan.override"
+        return self
+
+    def memory_per_rank(self) -> int:
+        """Bytes of tables and their optimizer state on each rank under this plan."""
+        return sum(t.memory for t in self.tables.values())
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"format": PLAN_FORMAT, "world_size": self.world_size, "optimizer": self.optimizer,
+                "memory_budget": self.memory_budget,
+                "tables": {n: dataclasses.asdict(t) for n, t in self.tables.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Plan":
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            raise ValueError(f"not a sparsecomm plan (format {d.get('format') if isinstance(d, dict) else d!r})")
+        tables = {}
+        for n, t in d["tables"].items():
+            t = dict(t)
+            if t.get("distinct") is not None:
+                t["distinct"] = tuple(t["distinct"])
+            tables[n] = TablePlan(**t)
+        return cls(tables, d["world_size"], d.get("optimizer", "SGD"), d.get("memory_budget"))
+
+    @classmethod
+    def from_checkpoint(cls, directory: str) -> "Plan":
+        """The plan recorded by ``sparsecomm.sharded.save`` (to parallelize at another world size alike).
+
+        Raises:
+            ValueError: the checkpoint holds no plan.
+        """
+        with open(os.path.join(directory, "manifest.json")) as f:
+            manifest = json.load(f)
+        if not manifest.get("plan"):
+            raise ValueError(f"{directory}: the checkpoint records no plan (saved without parallelize)")
+        return cls.from_dict(manifest["plan"])
+
+    def __str__(self) -> str:
+        head = ("table", "kind", "rows x dim", "placement", "MiB/rank", "repl MiB", "shard MiB", "B/step repl",
+                "B/step shard", "distinct", "union", "skew", "reason")
+        rows = [head]
+        for n, t in self.tables.items():
+            place = t.placement + (f" ({t.scheme})" if t.placement == "shard" else "")
+            rows.append((n, t.kind, f"{t.num_embeddings} x {t.embedding_dim}", place, _mib(t.memory),
+                         _mib(t.memory_replicated), _mib(t.memory_sharded),
+                         "-" if t.bytes_replicated is None else f"{t.bytes_replicated:.3g}",
+                         "-" if t.bytes_sharded is None else f"{t.bytes_sharded:.3g}",
+                         "-" if t.distinct is None else "/".join(map(str, t.distinct)),
+                         "-" if t.union is None else str(t.union),
+                         "-" if t.skew is None else f"{t.skew:.2f}", t.reason))
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(head) - 1)]
+        lines = [f"sparsecomm plan: {self.world_size} ranks, optimizer {self.optimizer}, "
+                 f"{_mib(self.memory_per_rank())} MiB of tables per rank"
+                 + (f" (budget {_mib(self.memory_budget)} MiB)" if self.memory_budget is not None else "")]
+        for r in rows:
+            lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
+        return "\n".join(lines)
+
+
+def embedding_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``(name, module)`` of every ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model``, in module order."""
+    return [(n, m) for n, m in model.named_modules() if type(m) in (nn.Embedding, nn.EmbeddingBag)]
+
+
+def _blocker(m: nn.Module) -> str:
+    """Why a sharded table could not do what this module does, or ""."""
+    if m.max_norm is not None:
+        return f"max_norm={m.max_norm} renormalizes rows in place at lookup (only a replica does that)"
+    if m.scale_grad_by_freq:
+        return "scale_grad_by_freq=True scales by the batch's id counts (only a replica does that)"
+    return ""
+
+
+def _describe(name: str, m: nn.Module, n: int, optimizer: str) -> TablePlan:
+    v, d = m.weight.shape
+    esz = m.weight.element_size()
+    state = _STATE_FACTOR.get(optimizer, 2)
+    row = d * esz
+    # Hash ownership keeps a bitmap of V bits plus a prefix count per 64-bit word.
+    owner_map = 0 if n == 1 else v // 8 + (v // 64 + 1) * 8
+    t = TablePlan(name, type(m).__name__, v, d, str(m.weight.dtype).replace("torch.", ""),
+                  memory_replicated=v * row * (1 + state),
+                  memory_sharded=math.ceil(v / n) * row * (1 + state) + owner_map,
+                  blocker=_blocker(m))
+    if not t.blocker and not m.weight.requires_grad:
+        t.blocker = "the table is frozen (requires_grad=False): nothing to update on its owners"
+    if not t.blocker and optimizer in ("Adam",) and not m.sparse:
+        t.blocker = ("sparse=False under Adam: Adam moves every row every step (momentum), a sharded table's Adam "
+                     "is lazy (SparseAdam's rule)")
+    return t
+
+
+def _sample_ids(model: nn.Module, modules: Sequence[Tuple[str, nn.Module]], sample_batch: Any
+                ) -> Dict[str, torch.Tensor]:
+    """Distinct ids each table sees in one forward of ``sample_batch`` on this rank (no gradient)."""
+    seen: Dict[str, List[torch.Tensor]] = {n: [] for n, _ in modules}
+    handles = []
+    for name, m in modules:
+        def grab(module, args, name=name):
+            seen[name].append(args[0].detach().reshape(-1).to("cpu", torch.int64))
+        handles.append(m.register_forward_pre_hook(grab))
+    try:
+        with torch.no_grad():
+            if isinstance(sample_batch, tuple):
+                model(*sample_batch)
+            else:
+                model(sample_batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
+
+
+def _predict(t: TablePlan, n: int, distinct: Sequence[int], union: int, optimizer: str) -> None:
+    row = t.embedding_dim * torch.empty(0, dtype=getattr(torch, t.dtype)).element_size()
+    idb = torch.empty(0, dtype=wire_index_dtype(t.num_embeddings)).element_size()
+    k = max(distinct)
+    t.distinct, t.union = tuple(distinct), union
+    touch = _OPT_TOUCH.get(optimizer, 6) * row * OPTIMIZER_BYTE_PRICE
+    sync = min(cost_model.allgather_bytes(n, k, row + idb), cost_model.partitioned_floor_bytes(n, k, union, row + idb))
+    t.bytes_replicated = sync + union * touch
+    t.bytes_sharded = cost_model.sharded_floor_bytes(n, k, row) + (n - 1) / n * k * idb + union / n * touch
+
+
+def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[dist.ProcessGroup] = None,
+         memory_budget: Optional[int] = None, optimizer: Any = "SGD", small_table_bytes: int = 4 << 20) -> Plan:
+    """Decide where each embedding table of ``model`` lives; collective (every rank, same model).
+
+    Args:
+        model: the single-process model (not yet wrapped in DDP).
+        sample_batch: optional: one batch of this rank's data, as the model's
+            forward takes it (a tuple of positional arguments, or the one
+            argument: a tensor, a dict...); run once without gradients to measure
+            the distinct ids, union and skew per table.
+        process_group: the ranks that will train (default: the whole world).
+        memory_budget: bytes per rank for tables and their optimizer state.
+        optimizer: the optimizer class or its name (sizes the optimizer state).
+        small_table_bytes: tables smaller than this stay replicated.
+
+    Returns:
+        The :class:`Plan`, the same on every rank.
+
+    Raises:
+        ValueError: on every rank, when the ranks' models differ, or no
+            placement fits the memory budget.
+    """
+    opt = optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", str(optimizer))
+    _, n = world(process_group)
+    group = (process_group or dist.group.WORLD) if n > 1 else None
+    modules = embedding_modules(model)
+    tables = {name: _describe(name, m, n, opt) for name, m in modules}
+    sample = _sample_ids(model, modules, sample_batch) if sample_batch is not None and modules else None
+    mine = [(t.name, t.kind, t.num_embeddings, t.embedding_dim, t.dtype, bool(t.blocker)) for t in tables.values()]
+    gathered = all_gather_objects((mine, sample), group)
+    for r, (theirs, _) in enumerate(gathered):
+        if theirs != mine:
+            raise ValueError(f"sparsecomm.plan: rank {r}'s model has embedding tables {theirs} but this rank's has "
+                             f"{mine}: every rank must pass the same model")
+    if sample is not None:
+        for name, t in tables.items():
+            ids = [s[name] for _, s in gathered]
+            _predict(t, n, [x.numel() for x in ids], int(torch.unique(torch.cat(ids)).numel()), opt)
+    result = Plan(tables, n, opt, memory_budget)
+    _decide(result, small_table_bytes)
+    return result
+
+
+def _decide(p: Plan, small_table_bytes: int) -> None:
+    tables = list(p.tables.values())
+    for t in tables:
+        if t.blocker:
+            t.placement, t.reason = "replicate", f"cannot shard: {t.blocker}"
+        elif p.world_size == 1:
+            t.placement, t.reason = "replicate", "one rank: it holds every row either way"
+        elif t.memory_replicated < small_table_bytes:
+            t.placement = "replicate"
+            t.reason = (f"small ({_mib(t.memory_replicated)} MiB < {_mib(small_table_bytes)} MiB): its rows ride in "
+                        f"the hook's fused sync")
+        elif t.bytes_sharded is not None:
+            if t.bytes_sharded < t.bytes_replicated:
+                t.placement = "shard"
+                t.reason = (f"predicted {t.bytes_sharded:.3g} B/step sharded < {t.bytes_replicated:.3g} replicated "
+                            f"(optimizer on {t.union}/{p.world_size} rows)")
+            else:
+                t.placement = "replicate"
+                t.reason = f"predicted {t.bytes_replicated:.3g} B/step replicated <= {t.bytes_sharded:.3g} sharded"
+        else:
+            t.placement = "shard"
+            t.reason = (f"large ({_mib(t.memory_replicated)} MiB replicated): 1/{p.world_size} of the rows and "
+                        f"optimizer work per rank")
+    if p.memory_budget is None or p.memory_per_rank() <= p.memory_budget:
+        return
+    # Over budget: shard what still can be, largest replica first, until it fits.
+    for t in sorted(tables, key=lambda t: -t.memory_replicated):
+        if p.memory_per_rank() <= p.memory_budget:
+            break
+        if t.placement == "replicate" and not t.blocker and p.world_size > 1:
+            t.placement = "shard"
+            t.reason = f"its replica ({_mib(t.memory_replicated)} MiB) does not fit the memory budget"
+    if p.memory_per_rank() > p.memory_budget:
+        raise ValueError(f"sparsecomm.plan: no placement fits the memory budget of {_mib(p.memory_budget)} MiB per "
+                         f"rank: the tables need {_mib(p.memory_per_rank())} MiB even sharded where possible "
+                         f"(tables that cannot be sharded: "
+                         f"{[t.name for t in tables if t.blocker] or 'none'}; world size {p.world_size})\n{p}")

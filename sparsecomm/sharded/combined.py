@@ -1,0 +1,207 @@
+"""One optimizer for a model whose tables are partly sharded: torch's for the replicas, owner-side for the shards.
+
+:func:`build_optimizer` maps a torch optimizer class to the rule each kind
+of parameter gets (the same rule, so training equals single-process training):
+
+=================  ==================  ========================  ======================
+class              dense parameters    replicated sparse tables  sharded tables
+=================  ==================  ========================  ======================
+``SGD``            ``SGD``             ``SGD``                   :class:`ShardedSGD`
+``Adagrad``        ``Adagrad``         ``Adagrad``               :class:`ShardedAdagrad`
+``Adam``           ``Adam``            ``SparseAdam`` (lazy)     :class:`ShardedAdam` (lazy)
+``SparseAdam``     ``Adam``            ``SparseAdam``            :class:`ShardedAdam`
+=================  ==================  ========================  ======================
+
+Options a sharded table's rule does not implement (momentum, weight decay,
+AMSGrad, ...) are refused by :func:`check_optimizer` with their names, before
+anything is built. :class:`ParallelOptimizer` is a ``torch.optim.Optimizer``
+whose ``param_groups`` are its parts' groups (the same dicts), so LR
+schedulers drive every part.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.nn as nn
+
+from sparsecomm.sharded.optimizer import ShardedAdagrad, ShardedAdam, ShardedOptimizer, ShardedSGD
+
+__all__ = ["ParallelOptimizer", "check_optimizer", "build_optimizer", "OPTIMIZER_FORMAT"]
+
+OPTIMIZER_FORMAT = "sparsecomm.parallel_optimizer/1"
+
+# class -> (owner-side twin, options the twin takes, {option: the only value it supports}).
+_TWINS: Dict[Type[torch.optim.Optimizer], Tuple[Type[ShardedOptimizer], Tuple[str, ...], Dict[str, Any]]] = {
+    torch.optim.SGD: (ShardedSGD, ("lr",), {"momentum": 0, "dampening": 0, "weight_decay": 0, "nesterov": False,
+                                            "maximize": False}),
+    torch.optim.Adagrad: (ShardedAdagrad, ("lr", "lr_decay", "eps", "initial_accumulator_value"),
+                          {"weight_decay": 0, "maximize": False}),
+    torch.optim.Adam: (ShardedAdam, ("lr", "betas", "eps"), {"weight_decay": 0, "amsgrad": False, "maximize": False}),
+    torch.optim.SparseAdam: (ShardedAdam, ("lr", "betas", "eps"), {"maximize": False}),
+}
+_ADAM = (torch.optim.Adam, torch.optim.SparseAdam)
+
+
+def check_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict[str, Any], sharded: bool,
+                    sparse_replicas: bool = False) -> None:
+    """Refuse, before anything is built, an optimizer the tables cannot follow exactly.
+
+    Args:
+        optimizer_class: a ``torch.optim`` class.
+        kwargs: its options.
+        sharded: whether some table will be sharded (needs an owner-side twin).
+        sparse_replicas: whether some replicated table has sparse gradients
+            (Adam's become SparseAdam's, which takes fewer options).
+
+    Raises:
+        ValueError: naming the class or the option and what to do.
+    """
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer_class must be a torch.optim.Optimizer class, got {optimizer_class!r}")
+    twin = _TWINS.get(optimizer_class)
+    if twin is None:
+        if sharded:
+            raise ValueError(f"{optimizer_class.__name__} has no owner-side twin for sharded tables (supported: "
+                             f"{', '.join(c.__name__ for c in _TWINS)}); replicate every table "
+                             f"(plan.override(name, 'replicate')) or use one of those")
+        if sparse_replicas and optimizer_class not in (torch.optim.SGD, torch.optim.Adagrad):
+            raise ValueError(f"{optimizer_class.__name__} does not take the sparse gradients of embedding tables "
+                             f"with sparse=True; use SGD, Adagrad, Adam or SparseAdam")
+        return
+    _, _, fixed = twin
+    if sharded or (sparse_replicas and optimizer_class in _ADAM):
+        for name, only in fixed.items():
+            if name in kwargs and kwargs[name] != only:
+                who = "sharded tables' owner-side" if sharded else "sparse tables' SparseAdam"
+                raise ValueError(f"{optimizer_class.__name__}({name}={kwargs[name]!r}): the {who} rule supports "
+                                 f"only {name}={only!r}; pass that, or replicate every table with a dense "
+                                 f"gradient (plan.override(name, 'replicate'), sparse=False)")
+
+
+def _table_kwargs(optimizer_class, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    keep = _TWINS[optimizer_class][1]
+    return {k: v for k, v in kwargs.items() if k in keep}
+
+
+class ParallelOptimizer(torch.optim.Optimizer):
+    """Several optimizers stepped as one: replicated parameters' and sharded tables'.
+
+    ``step()``, ``zero_grad()``, ``state_dict()``, ``load_state_dict()`` and
+    ``param_groups`` cover every part; LR schedulers work on it.
+
+    Args:
+        parts: ``{name: optimizer}``; names are ``"dense"`` (replicated
+            parameters), ``"sparse"`` (replicated tables with their own rule)
+            and ``"sharded"`` (a :class:`ShardedOptimizer`).
+    """
+
+    def __init__(self, parts: Dict[str, torch.optim.Optimizer]) -> None:
+        parts = OrderedDict((k, v) for k, v in parts.items() if v is not None)
+        if not parts:
+            raise ValueError("ParallelOptimizer needs at least one optimizer")
+        self.parts = parts
+        self.defaults: Dict[str, Any] = {}
+        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                      "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, hooks, OrderedDict())
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return [g for opt in self.parts.values() for g in opt.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:
+        raise AttributeError("ParallelOptimizer.param_groups are its parts' groups; change them there")
+
+    @property
+    def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
+        return {p: s for opt in self.parts.values() for p, s in opt.state.items()}
+
+    @property
+    def sharded(self) -> Optional[ShardedOptimizer]:
+        """The owner-side optimizer of the sharded tables, or None."""
+        return self.parts.get("sharded")
+
+    @property
+    def replicated(self) -> List[torch.optim.Optimizer]:
+        """The torch optimizers of the replicated parameters."""
+        return [o for k, o in self.parts.items() if k != "sharded"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step every part (the closure, if any, runs once)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for opt in self.parts.values():
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.parts.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add replicated parameters (to the ``"dense"`` part)."""
+        if "dense" not in self.parts:
+            raise ValueError("this ParallelOptimizer has no part for replicated parameters")
+        self.parts["dense"].add_param_group(param_group)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"format": OPTIMIZER_FORMAT, "parts": {k: o.state_dict() for k, o in self.parts.items()},
+                "kinds": {k: type(o).__name__ for k, o in self.parts.items()}}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load every part's state; refuses a state of other parts or kinds.
+
+        Raises:
+            ValueError: the state was written by another combination of optimizers.
+        """
+        if not isinstance(state_dict, dict) or state_dict.get("format") != OPTIMIZER_FORMAT:
+            raise ValueError("ParallelOptimizer.load_state_dict: not a ParallelOptimizer state")
+        mine = {k: type(o).__name__ for k, o in self.parts.items()}
+        if state_dict.get("kinds") != mine:
+            raise ValueError(f"ParallelOptimizer.load_state_dict: the state holds {state_dict.get('kinds')}, "
+                             f"this optimizer is {mine}")
+        for k, o in self.parts.items():
+            o.load_state_dict(state_dict["parts"][k])
+
+    def __repr__(self) -> str:
+        inner = ",\n".join(f"  {k}: {type(o).__name__} ({sum(len(g['params']) for g in o.param_groups)} tensors)"
+                           for k, o in self.parts.items())
+        return f"ParallelOptimizer(\n{inner}\n)"
+
+
+def build_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict[str, Any],
+                    dense: Sequence[torch.Tensor], sparse: Sequence[torch.Tensor], tables: Sequence[nn.Module]
+                    ) -> ParallelOptimizer:
+    """The optimizer of a parallelized model (see the module docstring for the rule per kind).
+
+    Args:
+        optimizer_class, kwargs: the user's torch optimizer and its options
+            (checked with :func:`check_optimizer` first).
+        dense: replicated parameters with dense gradients.
+        sparse: replicated embedding weights with sparse gradients.
+        tables: sharded tables.
+    """
+    check_optimizer(optimizer_class, kwargs, bool(tables), bool(sparse))
+    parts: Dict[str, Optional[torch.optim.Optimizer]] = {}
+    if optimizer_class in _ADAM:
+        table_kwargs = _table_kwargs(optimizer_class, kwargs)
+        dense_kwargs = table_kwargs if optimizer_class is torch.optim.SparseAdam else kwargs
+        parts["dense"] = torch.optim.Adam(list(dense), **dense_kwargs) if dense else None
+        parts["sparse"] = torch.optim.SparseAdam(list(sparse), **table_kwargs) if sparse else None
+    else:
+        replicated = list(dense) + list(sparse)
+        parts["dense"] = optimizer_class(replicated, **kwargs) if replicated else None
+    if tables:
+        twin = _TWINS[optimizer_class][0]
+        parts["sharded"] = twin(list(tables), **_table_kwargs(optimizer_class, kwargs))
+    return ParallelOptimizer(parts)
