@@ -166,6 +166,9 @@ def test_missing_output_folder_fails_before_the_run(tmp_path):
     out = _bench(["allreduce", "--nproc", "2", *TINY_DENSE, "--json", str(tmp_path / "no" / "such" / "x.json")])
     assert out.returncode == 2, _fail(out)
     assert "does not exist" in out.stderr and "starting" not in out.stderr and out.stdout == ""
+    # A benchmark without a plot says so at once instead of ignoring --plot.
+    out = _bench(["sharded", "--nproc", "2", "--plot", str(tmp_path / "p.png")])
+    assert out.returncode == 2 and "draws no plot" in out.stderr and out.stdout == "", _fail(out)
 
 
 def test_sparse_sync_scaling_with_local_aggregation(tmp_path):

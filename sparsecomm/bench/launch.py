@@ -209,6 +209,8 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
     """
     problems = check_outputs(getattr(args, "plot", None) if plot is not None else None,
                              getattr(args, "json", None), getattr(args, "csv", None))
+    if getattr(args, "plot", None) and plot is None:
+        problems.append("--plot: this benchmark draws no plot (use --json or --csv)")
     if problems:  # before any rank starts: not after a run of minutes
         for msg in problems:
             print(f"{bench}: {msg}", file=sys.stderr, flush=True)
