@@ -37,18 +37,25 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2
 
 
-def summation_bound(terms: torch.Tensor, abs_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Worst-case error of summing ``terms`` values whose magnitudes add up to ``abs_sum``, rounding in ``dtype``.
+def summation_bound(terms: torch.Tensor, abs_sum: torch.Tensor, dtype: torch.dtype,
+                    acc_dtype: Optional[torch.dtype] = None, exact: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Worst-case error of a sum of ``terms`` values of ``dtype`` whose magnitudes add up to ``abs_sum``.
 
-    ``gamma(m) * abs_sum`` (Higham, Accuracy and Stability, eq. 4.4), any order;
-    rounding every step in the storage dtype is the worst case, so it also
-    covers sums accumulated in float32 and rounded once. ``terms`` broadcasts
-    against ``abs_sum`` (one count per row).
+    Summed in ``acc_dtype`` (default: ``dtype``, rounding every step), in any
+    order: ``gamma(m) * abs_sum`` with ``gamma(m) = m u / (1 - m u)`` (Higham,
+    Accuracy and Stability of Numerical Algorithms, eq. 4.4), infinite once
+    ``m u >= 1``. Accumulated in a wider ``acc_dtype`` and rounded once to
+    ``dtype``: that bound plus one rounding of the result, ``u_dtype *
+    (|exact| + bound)``. ``terms`` broadcasts against ``abs_sum``.
     """
-    mu = terms.double() * unit_roundoff(dtype)
-    gamma = mu / (1 - mu).clamp_min(1e-300)
-    tiny = torch.finfo(dtype).tiny  # gradual underflow adds at most this per term
-    return gamma * abs_sum + terms.double() * tiny
+    acc = acc_dtype or dtype
+    mu = terms.double() * unit_roundoff(acc)
+    gamma = torch.where(mu < 1, mu / (1 - mu).clamp_min(1e-300), torch.full_like(mu, float("inf")))
+    bound = gamma * abs_sum + terms.double() * torch.finfo(acc).tiny  # gradual underflow: at most tiny per step
+    if acc != dtype:
+        magnitude = abs_sum if exact is None else exact.abs()
+        bound = bound + unit_roundoff(dtype) * (magnitude + bound) + torch.finfo(dtype).tiny
+    return bound
 
 
 def count_wrong(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> int:
@@ -118,17 +125,20 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     u = uniq.numel()
     ref_sums = torch.zeros(u, a.d, dtype=torch.float64, device=dev).index_add_(0, inv, values.double())
     abs_sums = torch.zeros(u, a.d, dtype=torch.float64, device=dev).index_add_(0, inv, values.double().abs())
-    sum_bound = summation_bound(counts[:, None], abs_sums, dtype)
+    # sparsecomm sums fp16/bf16 in float32 and rounds once; torch may round every step.
+    acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    ours_bound = summation_bound(counts[:, None], abs_sums, dtype, acc, ref_sums)
+    torch_bound = summation_bound(counts[:, None], abs_sums, dtype)
     copy_gbs = copy_bandwidth(a.n * row, dev)
     print(f"# kernels: n={a.n} rows={a.rows} d={a.d} {a.dtype} zipf({a.alpha}) seed={a.seed} unique={u} "
           f"device={a.device} threads={torch.get_num_threads()} copy bandwidth {copy_gbs:.1f} GB/s (read+write)",
           flush=True)
 
-    def check_coalesce(res) -> int:
+    def check_coalesce(res, bound) -> int:
         got_ids, got = res
         if not torch.equal(got_ids.long(), uniq.long()):
             return max(got_ids.numel(), u)
-        return count_wrong(got, ref_sums, sum_bound)
+        return count_wrong(got, ref_sums, bound)
 
     def torch_coalesce():
         t = torch.sparse_coo_tensor(ids[None], values, (a.rows, a.d), check_invariants=False).coalesce()
@@ -165,7 +175,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     delta = torch.zeros(a.rows, a.d, dtype=torch.float64, device=dev).index_add_(0, ids, values.double())
     abs_delta = torch.zeros(a.rows, a.d, dtype=torch.float64, device=dev).index_add_(0, ids, values.double().abs())
 
-    def scatter_contender(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Contender:
+    def scatter_contender(name: str, fn: Callable[[torch.Tensor], torch.Tensor], acc_dtype: torch.dtype
+                          ) -> Contender:
         state = {"table": table.clone(), "calls": 0}
 
         def run_once():
@@ -175,7 +186,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         def check(res) -> int:
             k = state["calls"]
             ref = table.double() + k * delta
-            bound = summation_bound(k * table_terms[:, None] + 1, table.double().abs() + k * abs_delta, dtype)
+            # k applications: each row's old value plus k times its updates (ours: rounded once per call).
+            bound = k * summation_bound(table_terms[:, None] + 1, table.double().abs() + k * abs_delta, dtype,
+                                        acc_dtype)
             return count_wrong(res, ref, bound)
 
         return Contender(name, run_once, check)
@@ -197,9 +210,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
 
     groups = [
         ("coalesce", a.n * (ids.element_size() + row) + u * (ids.element_size() + row), [
-            Contender("sparsecomm", lambda: ops.coalesce_rows(ids, values, a.rows), check_coalesce),
-            Contender("torch coalesce()", torch_coalesce, check_coalesce),
-            Contender("torch unique+index_add_", unique_index_add, check_coalesce),
+            Contender("sparsecomm", lambda: ops.coalesce_rows(ids, values, a.rows),
+                      lambda r: check_coalesce(r, ours_bound)),
+            Contender("torch coalesce()", torch_coalesce, lambda r: check_coalesce(r, torch_bound)),
+            Contender("torch unique+index_add_", unique_index_add, lambda r: check_coalesce(r, torch_bound)),
         ]),
         ("gather", a.n * (ids.element_size() + 2 * row), [
             Contender("sparsecomm", lambda: ops.gather_rows(table, ids),
@@ -212,8 +226,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             Contender("torch index_select+copy", pack_torch, check_packed),
         ]),
         ("scatter_add", a.n * (ids.element_size() + row) + 2 * u * row, [
-            scatter_contender("sparsecomm", lambda t: ops.scatter_add_rows(t, ids, values)),
-            scatter_contender("torch index_add_", lambda t: t.index_add_(0, ids, values)),
+            scatter_contender("sparsecomm", lambda t: ops.scatter_add_rows(t, ids, values), acc),
+            scatter_contender("torch index_add_", lambda t: t.index_add_(0, ids, values), dtype),
         ]),
         (f"partition({OWNERS} owners)", a.n * 2 * (ids.element_size() + row), [
             Contender("sparsecomm", lambda: ops.partition_rows(ids, values, OWNERS), check_partition),
