@@ -199,6 +199,7 @@ def test_sparse_sync_under_torchrun_rank0_writes_outputs(tmp_path):
     assert all(r["world"] == 2 and r["#wrong"] == 0 for r in rows)
 
 
+@pytest.mark.slow  # one spawn of 2 ranks (~15 s); test_skipped_rows_do_not_count_as_wrong covers the logic by default
 def test_sharded_without_torchrec_lists_it_as_skipped_and_exits_0(tmp_path):
     import importlib.util
 
@@ -237,6 +238,25 @@ def test_print_table_compact_wide_and_legend(capsys):
     wide = print_table(rows, "t", compact_cols=("method",), wide=True)
     assert wide == full
     assert capsys.readouterr().out.count("# t") == 3
+
+
+def test_skipped_rows_do_not_count_as_wrong():
+    from argparse import Namespace
+
+    from sparsecomm.bench import sharded
+    from sparsecomm.bench.harness import Row
+    from sparsecomm.bench.launch import _exit_status
+
+    a = Namespace(rows=100, dim=4, batch=8, pooling=2, skipped={"torchrec": sharded.TORCHREC_MISSING})
+    ref = Namespace(rows0=list(range(30)))
+    per_rank = {"sparsecomm_hash": dict(time=0.002, wrong=0, error=None, memory=1000, rows=50, wire=10.0),
+                "ddp_replicated": dict(time=0.004, wrong=0, error=None, memory=2000, rows=100, wire=None)}
+    rows = sharded._rows(a, 2, list(per_rank), [per_rank, per_rank], ref)
+    assert [r.cols["method"] for r in rows] == ["sparsecomm_hash", "ddp_replicated", "torchrec"]
+    assert rows[0].cols["vs_best_peer"] == pytest.approx(2.0) and rows[0].cols["vs_torchrec"] == ""
+    assert "not installed" in rows[2].cols["skipped"] and "#wrong" not in rows[2].cols
+    assert _exit_status(rows) == 0
+    assert _exit_status(rows + [Row({"method": "x", "#wrong": 3})]) == EXIT_WRONG
 
 
 def test_progress_goes_to_stderr(capsys):
