@@ -261,3 +261,64 @@ def test_scatter_add_contracts_hold_on_the_gpu():
         loss.backward()
     with pytest.raises(ValueError, match="num_rows must be >= 0"):
         ops.coalesce_rows(ids, values, num_rows=-1)
+
+
+# ---- the registered operators: fused paths, autograd, torch.compile on CUDA --------
+
+
+@pytest.mark.parametrize("value_dtype", VALUE_DTYPES, ids=str)
+def test_coalesce_partition_matches_cpu(value_dtype):
+    ids = make_ids("zipf", torch.int64)
+    values = make_values(ids.numel(), 7, value_dtype)
+    expected = ops.coalesce_partition_rows(ids, values, 3, num_rows=NUM_ROWS)
+    got = ops.coalesce_partition_rows(ids.to(CUDA), values.to(CUDA), 3, num_rows=NUM_ROWS)
+    for a, b in zip(got[:3], expected[:3]):
+        assert_bitwise_equal(a, b)
+
+
+@pytest.mark.parametrize("wire", [None, torch.int16, torch.int64], ids=str)
+def test_pack_rows_and_coalesce_segments_match_cpu(wire):
+    ids = make_ids("zipf", torch.int64)
+    values = make_values(ids.numel(), 5, torch.float16)
+    index = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))
+    src = ids if wire is not None else values
+    width = (torch.empty(0, dtype=wire).element_size() if wire is not None else 5 * values.element_size())
+    half = ids.numel() // 2
+    segments = [(0, half, 0), (half, ids.numel() - half, -(-half * width // 8) * 8 + 8)]
+    size = segments[1][2] + (ids.numel() - half) * width
+    cpu = torch.zeros(size, dtype=torch.uint8)
+    gpu = torch.zeros(size, dtype=torch.uint8, device=CUDA)
+    ops.pack_rows(cpu, src, index, segments, wire_ids=wire)
+    ops.pack_rows(gpu, src.to(CUDA), index.to(CUDA), segments, wire_ids=wire)
+    assert torch.equal(gpu.cpu(), cpu)
+    # Ids then rows, as a receive buffer holds them; summed straight out of it.
+    n = ids.numel()
+    buf = torch.zeros(8 * n + 10 * n + 16, dtype=torch.uint8)
+    buf[:8 * n].view(torch.int64).copy_(ids)
+    buf[8 * n:8 * n + 10 * n].view(torch.float16).copy_(values.view(-1))
+    segs = [(n, 0, 8 * n)]
+    for acc in (False, True):
+        expected = ops.coalesce_segments(buf, segs, torch.int64, torch.float16, (5,), NUM_ROWS, accumulate_dtype=acc)
+        got = ops.coalesce_segments(buf.to(CUDA), segs, torch.int64, torch.float16, (5,), NUM_ROWS,
+                                    accumulate_dtype=acc)
+        assert_bitwise_equal(got[0], expected[0])
+        assert_bitwise_equal(got[1], expected[1])
+
+
+def test_gather_gradient_and_compile_on_cuda():
+    ids = make_ids("zipf", torch.int32).to(CUDA)
+    table = make_values(NUM_ROWS, 4, torch.float32).to(CUDA).requires_grad_()
+    ops.gather_rows(table, ids).sum().backward()
+    expected = torch.bincount(ids.long(), minlength=NUM_ROWS).float()[:, None].expand(-1, 4)
+    assert torch.equal(table.grad, expected)
+
+    def f(ids, values, table):
+        uniq, sums = ops.coalesce_rows(ids, values, table.shape[0])
+        ops.scatter_add_rows(table, uniq, sums)
+        return uniq
+
+    values = make_values(ids.numel(), 4, torch.float32).to(CUDA)
+    t_eager, t_comp = torch.zeros(NUM_ROWS, 4, device=CUDA), torch.zeros(NUM_ROWS, 4, device=CUDA)
+    ref = f(ids, values, t_eager)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(ids, values, t_comp)
+    assert torch.equal(got, ref) and torch.equal(t_comp, t_eager)
