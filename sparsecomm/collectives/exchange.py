@@ -26,8 +26,8 @@ from sparsecomm.types import SparseSyncStats
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 __all__ = ["all_gather_single", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes", "count_copied",
-           "wire_buffers", "all_to_all_rows", "exchange_counts", "Gathered", "Reduce", "exchange_tables",
-           "push_to_owners", "allgather_rows"]
+           "wire_buffers", "wire_row_bytes", "all_to_all_rows", "exchange_counts", "Gathered", "Reduce",
+           "exchange_tables", "push_to_owners", "allgather_rows"]
 
 
 class Gathered(NamedTuple):
@@ -56,11 +56,15 @@ class Reduce(NamedTuple):
         num_rows: bound of the received ids (they come from peers: checked).
         ids_dtype: dtype of the returned ids (int32 or int64).
         accumulate: return fp16/bf16 sums in float32, not rounded.
+        strict: raise ValueError on an id outside ``[0, num_rows)``; if False,
+            the block comes back as an empty list instead, so an owner can
+            record the error and tell every rank in its next message.
     """
 
     num_rows: int
     ids_dtype: torch.dtype = torch.int64
     accumulate: bool = False
+    strict: bool = True
 
 
 Rows = Union[torch.Tensor, Gathered]
@@ -193,6 +197,11 @@ def _wire_width(t: Rows) -> int:
     return math.prod(_wire_shape(t)) * torch.empty(0, dtype=_wire_dtype(t)).element_size()
 
 
+def wire_row_bytes(t: Rows) -> int:
+    """Bytes one row of ``t`` (a tensor or a :class:`Gathered`) takes on the wire."""
+    return _wire_width(t)
+
+
 def _pack(send: torch.Tensor, t: Rows, segments: List[Tuple[int, int, int]]) -> int:
     """Copy ``t``'s rows into ``send`` (segments of ``(start, count, byte offset)``); returns bytes written."""
     src, index, wire = (t.source, t.index, t.wire_ids) if isinstance(t, Gathered) else (t, None, None)
@@ -276,9 +285,14 @@ def exchange_tables(blocks: Sequence[Sequence[Rows]], send_counts: Sequence[Sequ
             ids_t, values_t = block
             red = reduce[b]
             segments = [(recv_counts[b][j], r_off[b][0][j], r_off[b][1][j]) for j in range(n)]
-            out.append(list(ops.coalesce_segments(recv, segments, _wire_dtype(ids_t), _wire_dtype(values_t),
-                                                  _wire_shape(values_t), red.num_rows, ids_dtype=red.ids_dtype,
-                                                  accumulate_dtype=red.accumulate)))
+            try:
+                out.append(list(ops.coalesce_segments(recv, segments, _wire_dtype(ids_t), _wire_dtype(values_t),
+                                                      _wire_shape(values_t), red.num_rows, ids_dtype=red.ids_dtype,
+                                                      accumulate_dtype=red.accumulate)))
+            except ValueError:
+                if red.strict:
+                    raise
+                out.append([])
             continue
         total = sum(recv_counts[b])
         got = []
