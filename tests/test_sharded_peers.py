@@ -29,7 +29,10 @@ from distributed import expect_value_error, run_ranks
 WORLD = 3
 BAD = 2            # the rank that corrupts what it sends
 V, D = 30, 4
-META_STATUS, META_NUM_LOCAL, META_COUNTS = 0, 4, 9  # columns of a metadata row (round 2, looked-up flag 3, fingerprint 5..8)
+# Columns of a metadata row: status 0, detail 1, round 2, capacity 3, tables 4, width 5, looked-up flag 6,
+# owned rows 7, fingerprint 8..11, counts 12..14, then (once the table has a capacity) the ids for the peer.
+META_STATUS, META_CAPACITY, META_NUM_LOCAL, META_COUNTS = 0, 3, 7, 12
+META_IDS = META_COUNTS + WORLD
 
 
 class Corrupt:
@@ -61,15 +64,22 @@ def set_column(col, value):
     return edit
 
 
-def foreign_ids(wrong):
-    """Replace the ids meant for owner j by ids owned by another rank (or by ``wrong(j)``)."""
+def foreign_ids(wrong, padded):
+    """Replace the ids meant for owner j by ids owned by another rank (or by ``wrong(j)``).
+
+    ``padded``: the ids ride behind the metadata (row j: the ids for owner j),
+    else in their own all-to-all (owner j's ids consecutive).
+    """
     owners = ops.row_owners(torch.arange(V), WORLD, "hash", V)
 
     def edit(ids, send_counts):
         offset = 0
         for j, c in enumerate(send_counts):
-            ids[offset:offset + c] = wrong(j, owners)
-            offset += c
+            if padded:
+                ids[j, META_IDS:META_IDS + int(ids[j, META_COUNTS + j])] = wrong(j, owners)
+            else:
+                ids[offset:offset + c] = wrong(j, owners)
+                offset += c
         return ids
     return edit
 
@@ -90,6 +100,9 @@ def case_malicious_peer(rank, world):
         opt.step()
         full.copy_(emb.full_weight())
 
+    # The group's first rounds: the first message holds only headers until its width fits the padded ids.
+    still_works()
+    still_works()
     cases = [
         # (call to corrupt, edit, message on every rank): 0 = metadata, 1 = the ids
         (0, set_column(META_COUNTS + 0, -5), f"rank {BAD} announced -5 ids to look up on rank 0"),
@@ -98,6 +111,9 @@ def case_malicious_peer(rank, world):
         (0, set_column(META_COUNTS + 0, V), f"rank {BAD} announced {V} ids to look up on rank 0"),
         (0, set_column(META_NUM_LOCAL, V), "do not add up"),
         (0, set_column(META_NUM_LOCAL, -1), f"rank {BAD} announced -1 owned rows"),
+        (0, set_column(META_CAPACITY, 99), f"rank {BAD}: 99)"),
+        (0, set_column(5, -7), f"rank {BAD} announced a -7-column request"),
+        (0, set_column(4, 2), f"rank {BAD} looks up 2"),
     ]
     for call, edit, match in cases:
         if rank == BAD:
@@ -107,16 +123,20 @@ def case_malicious_peer(rank, world):
             expect_value_error(lambda: emb(ids), match)
         refused += 1
         still_works()
-    # Ids with consistent counts but not the owner's: out of the table, or another rank's rows.
-    for wrong, owner_match in ((lambda j, owners: -1, "for id -1, outside [0, 30)"),
-                               (lambda j, owners: V + 1, f"for id {V + 1}, outside [0, 30)"),
-                               (lambda j, owners: int((owners != j).nonzero()[0]), "owned by another rank")):
-        # Every owner (the bad rank too) was sent bad ids: each names the sender and the id; all raise.
-        with Corrupt(1, foreign_ids(wrong)) if rank == BAD else nullcontext():
-            msg = expect_value_error(lambda: emb(ids), f"rank {BAD} asked rank {rank} for id")
-        assert owner_match in msg, msg
-        refused += 1
-        still_works()
+    # Ids with consistent counts but not the owner's: out of the table, or another rank's rows; sent in their
+    # own all-to-all (a table's first round) and padded behind the metadata (every later round).
+    for padded in (False, True):
+        for wrong, owner_match in ((lambda j, owners: -1, "for id -1, outside [0, 30)"),
+                                   (lambda j, owners: V + 1, f"for id {V + 1}, outside [0, 30)"),
+                                   (lambda j, owners: int((owners != j).nonzero()[0]), "owned by another rank")):
+            if not padded:
+                emb._set.capacity = 0  # as before the first round: the ids take their own all-to-all
+            # Every owner (the bad rank too) was sent bad ids: each names the sender and the id; all raise.
+            with Corrupt(0 if padded else 1, foreign_ids(wrong, padded)) if rank == BAD else nullcontext():
+                msg = expect_value_error(lambda: emb(ids), f"rank {BAD} asked rank {rank} for id")
+            assert owner_match in msg, msg
+            refused += 1
+            still_works()
     return refused
 
 
@@ -225,7 +245,7 @@ def results(tmp_path_factory):
 
 
 def test_bad_counts_and_ids_from_one_peer_raise_on_every_rank(results):
-    assert all(results[r]["malicious_peer"] == 8 for r in range(WORLD))
+    assert all(results[r]["malicious_peer"] == 14 for r in range(WORLD))
 
 
 def test_a_bad_shard_in_the_full_table_raises_on_every_rank(results):

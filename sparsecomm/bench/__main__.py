@@ -12,6 +12,7 @@ BENCHMARKS = {
     "sparse_sync": "sparsecomm.bench.sparse_sync",
     "sharded": "sparsecomm.bench.sharded",
     "project": "sparsecomm.bench.project",
+    "e2e": "sparsecomm.bench.e2e",
 }
 
 

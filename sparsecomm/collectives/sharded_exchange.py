@@ -33,7 +33,7 @@ A ``group`` of None here means "no peers": everything stays local.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,8 +51,15 @@ __all__ = [
 
 # Input status a rank reports with its row counts (column 0 of the metadata).
 STATUS_OK, STATUS_ID_RANGE, STATUS_BAD_INPUT = 0, 1, 2
-# A metadata row: status, detail, round, then per table: present, owned rows, fingerprint, one count per rank.
-_META_HEAD = 3
+# A metadata row: status, detail, round, capacity, tables, width (the columns this rank needs), then per table:
+# present, owned rows, fingerprint, one count per rank; then (with a capacity) this rank's ids for the
+# receiving peer, padded to the capacity; then zeros up to the group's message width.
+_META_HEAD = 6
+# Per group, the columns of the first all-to-all of the next round: the same on every rank (the largest
+# width any rank needed last round), so a round costs one all-to-all while its needs do not grow.
+_MESSAGE_WIDTH: Dict[Any, int] = {}
+# No rank needs more columns than this (a peer announcing more is refused before anything is sized from it).
+_MAX_WIDTH = 1 << 22
 FINGERPRINT_LEN = 4
 
 
@@ -93,6 +100,8 @@ class Routes(NamedTuple):
             same on every rank: only those get a gradient).
         problem: None, or why this owner refuses the ids it was sent; pass the
             routes to :func:`pull_rows`, which makes every rank raise.
+        largest: the most ids any rank asked of any one owner (all tables
+            together; the same on every rank): sizes the next round's capacity.
     """
 
     send: List[List[int]]
@@ -100,6 +109,7 @@ class Routes(NamedTuple):
     requested: List[torch.Tensor]
     present: List[bool]
     problem: Optional[str]
+    largest: int = 0
 
 
 def world(group: Optional[dist.ProcessGroup] = None) -> Tuple[int, int]:
@@ -129,6 +139,8 @@ class _Meta(NamedTuple):
     status: int
     detail: int
     round: int
+    capacity: int
+    count: int                            # tables in the round
     tables: Tuple[Tuple[int, ...], ...]   # per table: present, then the fingerprint
     num_local: Tuple[int, ...]            # per table: rows the rank says it owns
 
@@ -161,6 +173,9 @@ def _meta_problem(rows: List[_Meta], counts: torch.Tensor, me: int, requests: Se
             return (f"rank {me} is looking up tables {ours} (num_embeddings, embedding_dim, table id, kind) but "
                     f"rank {r} is looking up {theirs}: ranks must call the same tables in the same order")
     for r, m in enumerate(rows):
+        if m.capacity != rows[0].capacity:
+            return (f"ranks pad their ids to different capacities (rank 0: {rows[0].capacity}, rank {r}: "
+                    f"{m.capacity}): a bug or a version mismatch between ranks")
         if m.round != mine.round:
             return (f"rank {me} is in lookup round {mine.round} of its tables but rank {r} in round {m.round}: "
                     f"ranks must look up the same tables in the same order (the same code path)")
@@ -213,7 +228,8 @@ def _split_by_peer(flat: torch.Tensor, per_table: Sequence[Sequence[int]]) -> Li
 
 
 def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, message: str, round: int,
-                 group: Optional[dist.ProcessGroup], stats: Optional[SparseSyncStats] = None) -> Routes:
+                 group: Optional[dist.ProcessGroup], stats: Optional[SparseSyncStats] = None,
+                 capacity: int = 0) -> Routes:
     """Send each owner the ids this rank needs from it, for every table of a lookup round at once.
 
     Args:
@@ -225,6 +241,9 @@ def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, 
         round: how many rounds this set of tables has done (equal on every rank).
         group: from :func:`sharded_group`; None: no peers.
         stats: counters to add the bytes moved to.
+        capacity: ids per peer that ride padded in the metadata's all-to-all
+            (equal on every rank, e.g. the last round's ``largest`` + slack);
+            0: none, the ids take a second all-to-all.
 
     Returns:
         The validated :class:`Routes`.
@@ -235,10 +254,14 @@ def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, 
             (negative, more than the owner's rows, or not adding up). Nothing
             else was exchanged and nothing was sized from a peer's numbers.
 
-    Two all-to-alls whatever the number of tables: the metadata (``3 + T *
-    (N + 6)`` int64 per peer: every rank learns every rank's counts, which is
-    what lets all of them agree on a bad one without another collective),
-    then every table's ids, peer-major, in the widest table's wire dtype.
+    One or two all-to-alls whatever the number of tables: the metadata
+    (``4 + T * (N + 6)`` int64 per peer: every rank learns every rank's
+    counts, which is what lets all of them agree on a bad one without another
+    collective) with every peer's ids padded to ``capacity`` behind it; when
+    some rank has more ids for some owner than that (every rank sees it in
+    the counts), every table's ids travel again in a second all-to-all,
+    peer-major, in the widest table's wire dtype. Padded ids are read only
+    after the counts that say how many there are passed the checks.
     """
     send = [[int(c) for c in r.counts.tolist()] for r in requests]
     if group is None:
@@ -248,19 +271,49 @@ def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, 
                       [r.present for r in requests], None)
     me, n = world(group)
     dev = comm_device(group, requests[0].ids_by_owner.device)
-    row = [status, detail, round]
+    per_table = 2 + FINGERPRINT_LEN + n
+    head = _META_HEAD + len(requests) * per_table
+    need = head + capacity
+    row = [status, detail, round, capacity, len(requests), need]
     for r, counts in zip(requests, send):
         row += [int(r.present), r.num_local, *r.fingerprint, *counts]
-    meta = torch.tensor([row] * n, dtype=torch.int64)
-    (recv_meta,) = all_to_all_rows([meta], [1] * n, [1] * n, group, dev, stats)
-    width = 2 + FINGERPRINT_LEN + n
-    blocks = recv_meta[:, _META_HEAD:].reshape(n, len(requests), width)
+    pieces = [torch.split(r.ids_by_owner.to(torch.int64), c) for r, c in zip(requests, send)]
+    key = id(group)
+    width = _MESSAGE_WIDTH.get(key, _META_HEAD)
+    full = torch.zeros(n, max(need, width), dtype=torch.int64)
+    full[:, :head] = torch.tensor(row, dtype=torch.int64)
+    for j in range(n):
+        mine = torch.cat([pieces[t][j] for t in range(len(requests))])[:capacity].cpu()
+        full[j, head:head + mine.numel()] = mine
+    # Every rank sends ``width`` columns (known to all): its whole row when it fits, else only its header,
+    # which says how many columns it needs; then every rank resends at the largest need.
+    (recv_meta,) = all_to_all_rows([full[:, :width]], [1] * n, [1] * n, group, dev, stats)
+    needs = recv_meta[:, 5].tolist()
+    bad = next((r for r, w in enumerate(needs) if not _META_HEAD <= w <= _MAX_WIDTH), None)
+    if bad is not None:
+        raise ValueError(f"sparsecomm sharded lookup: rank {bad} announced a {needs[bad]}-column request, outside "
+                         f"[{_META_HEAD}, {_MAX_WIDTH}]: a bug or a version mismatch between ranks; nothing was "
+                         f"exchanged")
+    if max(needs) > width:
+        width = max(needs)
+        full = torch.nn.functional.pad(full, (0, width - full.shape[1]))
+        (recv_meta,) = all_to_all_rows([full], [1] * n, [1] * n, group, dev, stats)
+    _MESSAGE_WIDTH[key] = max(needs)
+    recv_meta = recv_meta.cpu()
     heads = recv_meta[:, :_META_HEAD].tolist()
-    rows = [_Meta(h[0], h[1], h[2],
+    for r, h in enumerate(heads):
+        if h[4] != len(requests):
+            if status != STATUS_OK:
+                raise ValueError(message)
+            raise ValueError(f"sparsecomm sharded lookup: rank {me} looks up {len(requests)} tables in this round "
+                             f"but rank {r} looks up {h[4]}: ranks must call the same tables in the same order; "
+                             f"nothing was exchanged")
+    blocks = recv_meta[:, _META_HEAD:head].reshape(n, len(requests), per_table)
+    rows = [_Meta(h[0], h[1], h[2], h[3], h[4],
                   tuple(tuple([b[0]] + b[2:2 + FINGERPRINT_LEN]) for b in tb),
                   tuple(b[1] for b in tb))
             for h, tb in zip(heads, blocks[:, :, :2 + FINGERPRINT_LEN].tolist())]
-    all_counts = blocks[:, :, 2 + FINGERPRINT_LEN:].permute(1, 0, 2).cpu()   # [table, rank, owner]
+    all_counts = blocks[:, :, 2 + FINGERPRINT_LEN:].permute(1, 0, 2)   # [table, rank, owner]
     if status != STATUS_OK:
         raise ValueError(message)  # a rank with a bad input of its own hears about its own
     problem = _meta_problem(rows, all_counts, me, requests)
@@ -268,16 +321,21 @@ def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, 
         raise ValueError(f"sparsecomm sharded lookup: {problem}; nothing was exchanged")
     recv = [all_counts[t, :, me].tolist() for t in range(len(requests))]
     present = [any(m.tables[t][0] for m in rows) for t in range(len(requests))]
-    wire = wire_index_dtype(max(r.num_rows for r in requests))
-    pieces = [torch.split(r.ids_by_owner.to(wire), c) for r, c in zip(requests, send)]
-    flat = torch.cat([pieces[t][j] for j in range(n) for t in range(len(requests))])
-    (got,) = all_to_all_rows([flat], _by_peer(send, n), _by_peer(recv, n), group, dev, stats)
+    per_pair = all_counts.sum(0)                                           # [rank, owner], all tables
+    largest = int(per_pair.max()) if per_pair.numel() else 0
+    totals = _by_peer(recv, n)
+    if capacity and largest <= capacity:
+        got = torch.cat([recv_meta[r, head:head + c] for r, c in enumerate(totals)])
+    else:
+        wire = wire_index_dtype(max(r.num_rows for r in requests))
+        flat = torch.cat([pieces[t][j].to(wire) for j in range(n) for t in range(len(requests))])
+        (got,) = all_to_all_rows([flat], _by_peer(send, n), totals, group, dev, stats)
     got = got.to(device=requests[0].ids_by_owner.device, dtype=torch.int64)
     requested = _split_by_peer(got, recv)
     problem = None
     for r, ids, counts in zip(requests, requested, recv):
         problem = problem or _ids_problem(ids, counts, me, r.num_rows, r.owns)
-    return Routes(send, recv, requested, present, problem)
+    return Routes(send, recv, requested, present, problem, largest)
 
 
 def _exchange_blocks(blocks: List[torch.Tensor], send: Sequence[Sequence[int]], recv: Sequence[Sequence[int]],

@@ -13,9 +13,11 @@ group). A lookup joins its set's open *round*; a round runs:
   does the end of the model's forward and :meth:`TableSet.flush`.
 
 A round, whatever the number of tables and lookups in it (a table looked up
-twice asks for the union of its ids once): two all-to-alls to request ids
-(metadata, then ids), one to pull rows, and in backward one to push every
-table's gradient rows to their owners (``sparsecomm.collectives.sharded_exchange``).
+twice asks for the union of its ids once): one all-to-all to request ids
+(metadata, with the ids padded to the last round's largest count behind it;
+a second one when the ids do not fit), one to pull rows, and in backward one
+to push every table's gradient rows to their owners
+(``sparsecomm.collectives.sharded_exchange``).
 TorchRec gets the same from a ``KeyedJaggedTensor`` the user builds; here the
 model's own code is unchanged.
 
@@ -40,6 +42,9 @@ from sparsecomm.collectives.sharded_exchange import (STATUS_OK, Routes, TableReq
 from sparsecomm.types import SparseSyncStats
 
 __all__ = ["Lookup", "TableSet", "group_tables", "flush"]
+
+# Beyond this many ids per owner, a second all-to-all costs less than the padding could.
+_MAX_CAPACITY = 1 << 16
 
 
 class Lookup:
@@ -171,6 +176,9 @@ class TableSet:
         self.group = tables[0]._group
         self.stats = stats if stats is not None else SparseSyncStats(world_size=world(self.group)[1])
         self.rounds = 0
+        # Ids per owner that ride padded in the round's metadata all-to-all (saves one all-to-all per
+        # round): the last round's largest count + 1/8 + 8, the same on every rank; 0 before the first round.
+        self.capacity = 0
         self._open: List[Lookup] = []
 
     def submit(self, lookup: Lookup) -> torch.Tensor:
@@ -227,8 +235,9 @@ class TableSet:
             requests.append(TableRequest(info.part.ids, info.part.counts, t.fingerprint(), t.num_embeddings,
                                          t.layout.num_local, bool(ids), t.layout.owns))
         routes = request_rows(requests, status=status[0], detail=status[1], message=status[2],
-                              round=self.rounds, group=self.group, stats=self.stats)
+                              round=self.rounds, group=self.group, stats=self.stats, capacity=self.capacity)
         self.rounds += 1
+        self.capacity = min(_MAX_CAPACITY, routes.largest + routes.largest // 8 + 8)
         served = []
         for t, info, requested in zip(self.tables, tables, routes.requested):
             weight = t.local_weight.detach()
