@@ -13,8 +13,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
+from sparsecomm.sharded.combined import build_optimizer
 
-MODES = ("ddp-default", "sparsecomm")
+MODES = ("parallelize", "sparsecomm", "ddp-default")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -38,9 +39,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=200, help="training steps")
     p.add_argument("--batch-size", type=int, default=256, help="samples per rank per step")
-    p.add_argument("--mode", choices=MODES, default="sparsecomm",
-                   help="ddp-default: DDP's own gradient sync; sparsecomm: DDP + sparsecomm.register")
+    p.add_argument("--mode", choices=MODES, default="parallelize",
+                   help="parallelize: sparsecomm.parallelize (planned: large tables sharded, the rest under DDP + "
+                        "the hook); sparsecomm: DDP + sparsecomm.register; ddp-default: DDP's own gradient sync")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: per example)")
+    p.add_argument("--small-table-bytes", type=int, default=4 << 20,
+                   help="parallelize: tables smaller than this stay replicated (0: shard every table it can)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
     p.add_argument("--log-every", type=int, default=20, help="progress line every N steps")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
@@ -58,11 +62,36 @@ def setup(args: argparse.Namespace) -> sparsecomm.Topology:
     return topo
 
 
-def wrap(model: torch.nn.Module, args: argparse.Namespace):
-    """DDP, plus the sparsecomm hook in sparsecomm mode. Returns (ddp model, hook state or None)."""
+def prepare(model: torch.nn.Module, args: argparse.Namespace, optimizer_class, lr: float, sample_batch):
+    """The model and its optimizer for ``args.mode``; returns ``(model, optimizer, hook state or None)``.
+
+    Every mode trains with the same rule (``sparsecomm.sharded.combined.build_optimizer``:
+    Adam on dense parameters, lazy Adam on embedding rows), so the modes train alike.
+    """
+    if args.mode == "parallelize":
+        plan = sparsecomm.plan(model, sample_batch, optimizer=optimizer_class,
+                               small_table_bytes=args.small_table_bytes)
+        model, opt = sparsecomm.parallelize(model, optimizer_class, plan=plan, lr=lr)
+        inner = unwrap(model)
+        if topology_rank() == 0:
+            print(inner.sparsecomm_plan, flush=True)  # where each table lives, and why
+        return model, opt, inner.sparsecomm_state
     ddp = DDP(model)
     state = sparsecomm.register(ddp) if args.mode == "sparsecomm" else None
-    return ddp, state
+    sparse = [m.weight for m in model.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+              and m.sparse]
+    ids = {id(p) for p in sparse}
+    dense = [p for p in model.parameters() if id(p) not in ids]
+    return ddp, build_optimizer(optimizer_class, {"lr": lr}, dense, sparse, []), state
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (the model itself when there is none)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def topology_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def log(topo: sparsecomm.Topology, msg: str) -> None:
@@ -70,17 +99,17 @@ def log(topo: sparsecomm.Topology, msg: str) -> None:
         print(msg, flush=True)
 
 
-def optimizer_step(opts, loss: torch.Tensor) -> float:
-    """Backward and step every optimizer; return the loss as a float."""
+def optimizer_step(opt, loss: torch.Tensor) -> float:
+    """Backward and step the optimizer; return the loss as a float."""
     loss.backward()
-    for o in opts:
-        o.step()
-        o.zero_grad(set_to_none=True)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     return loss.item()
 
 
 def train(args, topo, step_fn: Callable[[int], float], eval_fn: Optional[Callable[[], Dict[str, float]]],
-          samples_per_step: int, state=None, name: str = "job", unit: str = "samples") -> Dict[str, object]:
+          samples_per_step: int, state=None, name: str = "job", unit: str = "samples",
+          model: Optional[torch.nn.Module] = None) -> Dict[str, object]:
     """Run ``step_fn(step) -> loss`` for ``args.steps`` steps with a progress line and a summary.
 
     Returns the summary (also printed on rank 0).
@@ -110,6 +139,9 @@ def train(args, topo, step_fn: Callable[[int], float], eval_fn: Optional[Callabl
         "first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:]),
         **{f"start_{k}": v for k, v in first_eval.items()}, **{f"final_{k}": v for k, v in final_eval.items()},
     }
+    plan = getattr(unwrap(model), "sparsecomm_plan", None) if model is not None else None
+    if plan is not None:
+        summary["sharded_tables"] = plan.sharded()
     if state is not None:
         for path, s in state.stats.items():
             summary[f"comm_{path}_MB_sent_per_step"] = s.bytes_sent / 1e6 / max(1, args.steps)

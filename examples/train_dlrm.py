@@ -7,6 +7,7 @@ the dense features), so the model has real signal to learn: AUC rises from
 ~0.5. Nothing is downloaded.
 
     python examples/train_dlrm.py                                  # one process
+    torchrun --nproc-per-node 4 examples/train_dlrm.py               # sparsecomm.parallelize (planned)
     torchrun --nproc-per-node 4 examples/train_dlrm.py --mode sparsecomm
     mpirun --allow-run-as-root --oversubscribe -np 4 python examples/train_dlrm.py --mode ddp-default
 """
@@ -21,7 +22,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import HelpFormatter, add_common_args, finish, optimizer_step, setup, train, wrap  # noqa: E402
+from common import HelpFormatter, add_common_args, finish, optimizer_step, prepare, setup, train, unwrap  # noqa: E402
 
 from sparsecomm.synthetic import zipf_ids  # noqa: E402
 
@@ -58,8 +59,9 @@ class DLRM(nn.Module):
         self.top = nn.Sequential(nn.Linear(dim * (len(table_rows) + 1), 64), nn.ReLU(), nn.Linear(64, 1))
 
     def forward(self, dense, bags):
-        feats = [self.bottom(dense)] + [t(b) for t, b in zip(self.tables, bags)]
-        return self.top(torch.cat(feats, 1)).squeeze(1)
+        # Every lookup before any use: sharded tables then share one exchange (sparsecomm.parallelize).
+        pooled = [t(b) for t, b in zip(self.tables, bags)]
+        return self.top(torch.cat([self.bottom(dense)] + pooled, 1)).squeeze(1)
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -88,25 +90,23 @@ def main(argv=None):
     rows = [int(x) for x in args.tables.split(",")]
     data = ClickData(rows, args.dense_features, args.bag_size, args.alpha, seed=args.seed)
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    model, state = wrap(DLRM(rows, args.dim, args.dense_features), args)
-    lr = args.lr or 0.05
-    sparse = [p for n, p in model.module.named_parameters() if n.startswith("tables")]
-    dense = [p for n, p in model.module.named_parameters() if not n.startswith("tables")]
-    opts = [torch.optim.SparseAdam(sparse, lr=lr), torch.optim.Adam(dense, lr=lr)]
+    sample = data.batch(args.batch_size, stream=topo.rank, step=0)[:2]
+    model, opt, state = prepare(DLRM(rows, args.dim, args.dense_features), args, torch.optim.Adam,
+                                args.lr or 0.05, sample)
     loss_fn = nn.BCEWithLogitsLoss()
     held_out = data.batch(4096, stream=10_000, step=0)  # the same on every rank
 
     def step(i: int) -> float:
         dense_x, bags, y = data.batch(args.batch_size, stream=topo.rank, step=i)
-        return optimizer_step(opts, loss_fn(model(dense_x, bags), y))
+        return optimizer_step(opt, loss_fn(model(dense_x, bags), y))
 
     def evaluate():
         with torch.no_grad():
             dense_x, bags, y = held_out
-            scores = model.module(dense_x, bags)
+            scores = unwrap(model)(dense_x, bags)
             return {"auc": auc(scores, y), "logloss": float(loss_fn(scores, y))}
 
-    train(args, topo, step, evaluate, args.batch_size * topo.world_size, state, name="dlrm")
+    train(args, topo, step, evaluate, args.batch_size * topo.world_size, state, name="dlrm", model=model)
     finish()
 
 

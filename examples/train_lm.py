@@ -8,6 +8,7 @@ so there is structure to learn and the loss falls visibly. Nothing is
 downloaded.
 
     python examples/train_lm.py
+    torchrun --nproc-per-node 4 examples/train_lm.py                 # sparsecomm.parallelize (planned)
     torchrun --nproc-per-node 4 examples/train_lm.py --mode sparsecomm
     mpirun --allow-run-as-root --oversubscribe -np 4 python examples/train_lm.py
 """
@@ -24,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import HelpFormatter, add_common_args, finish, optimizer_step, setup, train, wrap  # noqa: E402
+from common import HelpFormatter, add_common_args, finish, optimizer_step, prepare, setup, train, unwrap  # noqa: E402
 
 from sparsecomm.synthetic import zipf_ids  # noqa: E402
 
@@ -68,10 +69,13 @@ class LSTMLM(nn.Module):
     def forward(self, words: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
         """Sampled-softmax loss: each target against shared sampled negatives."""
         inputs, targets = words[:, :-1], words[:, 1:].reshape(-1)
-        h, _ = self.lstm(self.embed(inputs))
+        # Every lookup before any use: sharded tables then share one exchange (sparsecomm.parallelize).
+        x, out_t, bias_t = self.embed(inputs), self.out_embed(targets), self.out_bias(targets)
+        out_n, bias_n = self.out_embed(negatives), self.out_bias(negatives)
+        h, _ = self.lstm(x)
         h = self.proj(h).reshape(-1, self.proj.out_features)
-        true_logit = (h * self.out_embed(targets)).sum(1, keepdim=True) + self.out_bias(targets)
-        neg_logit = h @ self.out_embed(negatives).t() + self.out_bias(negatives).t()
+        true_logit = (h * out_t).sum(1, keepdim=True) + bias_t
+        neg_logit = h @ out_n.t() + bias_n.t()
         # A negative that equals the target is not a negative.
         neg_logit = neg_logit.masked_fill(negatives[None, :] == targets[:, None], float("-inf"))
         logits = torch.cat([true_logit, neg_logit], 1)
@@ -92,11 +96,10 @@ def main(argv=None):
     topo = setup(args)
     corpus = ZipfCorpus(args.vocab, args.alpha, seed=args.seed)
     torch.manual_seed(args.seed)
-    model, state = wrap(LSTMLM(args.vocab, args.dim, args.hidden), args)
-    lr = args.lr or 0.01
-    sparse = [p for n, p in model.module.named_parameters() if "embed" in n or "out_bias" in n]
-    dense = [p for n, p in model.module.named_parameters() if not ("embed" in n or "out_bias" in n)]
-    opts = [torch.optim.SparseAdam(sparse, lr=lr), torch.optim.Adam(dense, lr=lr)]
+    sample = (corpus.batch(args.batch_size, args.seq_len, stream=topo.rank, step=0),
+              zipf_ids(args.negatives, args.vocab, args.alpha, seed=7_000_000))
+    model, opt, state = prepare(LSTMLM(args.vocab, args.dim, args.hidden), args, torch.optim.Adam,
+                                args.lr or 0.01, sample)
     held_out = corpus.batch(256, args.seq_len, stream=10_000, step=0)
     eval_negatives = zipf_ids(args.negatives, args.vocab, args.alpha, seed=123_456)
 
@@ -104,15 +107,15 @@ def main(argv=None):
         words = corpus.batch(args.batch_size, args.seq_len, stream=topo.rank, step=i)
         # Negatives: the same on every rank for a step (seeded by the step), Zipf like the words.
         negatives = zipf_ids(args.negatives, args.vocab, args.alpha, seed=7_000_000 + i)
-        return optimizer_step(opts, model(words, negatives))
+        return optimizer_step(opt, model(words, negatives))
 
     def evaluate():
         with torch.no_grad():
-            loss = float(model.module(held_out, eval_negatives))
+            loss = float(unwrap(model)(held_out, eval_negatives))
         return {"sampled_loss": loss, "sampled_ppl": math.exp(loss)}
 
     train(args, topo, step, evaluate, args.batch_size * args.seq_len * topo.world_size, state, name="lm",
-          unit="tokens")
+          unit="tokens", model=model)
     finish()
 
 

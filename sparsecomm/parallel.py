@@ -92,8 +92,9 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
         ``(model, optimizer)``: the DDP-wrapped model (the model itself when
         nothing is left for DDP or there are no peers) and one
         :class:`~sparsecomm.sharded.combined.ParallelOptimizer`.
-        ``model.sparsecomm_plan`` (on the inner module) is the plan applied;
-        ``sparsecomm.sharded.save`` records it.
+        On the inner module, ``sparsecomm_plan`` is the plan applied
+        (``sparsecomm.sharded.save`` records it) and ``sparsecomm_state`` the
+        hook's state (``stats``, ``decisions``; None without DDP).
 
     Raises:
         ValueError: before anything is modified, on every rank: the plan does
@@ -138,6 +139,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
     if tables:
         group_tables(model, tables)
     model.sparsecomm_plan = plan
+    model.sparsecomm_state = None
 
     sparse = [m.weight for name, m in modules.items() if name not in plan.sharded() and m.sparse
               and m.weight.requires_grad]
@@ -146,6 +148,6 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
     wrapped: nn.Module = model
     if n > 1 and (dense or sparse):
         wrapped = DDP(model, process_group=process_group, **(ddp_kwargs or {}))
-        register(wrapped, **(hook_options or {}))
+        model.sparsecomm_state = register(wrapped, **(hook_options or {}))
     optimizer = build_optimizer(optimizer_class, optimizer_kwargs, dense, sparse, tables)
     return wrapped, optimizer

@@ -24,6 +24,8 @@ SMALL = {
 def _run(launcher, world, example, mode, steps=12):
     args = [str(EXAMPLES / example), "--steps", str(steps), "--mode", mode, "--json", "--log-every", "4",
             "--threads", "1", *SMALL[example]]
+    if mode == "parallelize":
+        args += ["--small-table-bytes", "20000"]  # the small tables' large ones get sharded
     if launcher == "mpirun":
         cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(world), sys.executable, *args]
     else:
@@ -37,17 +39,19 @@ def _run(launcher, world, example, mode, steps=12):
 
 
 def _check_parity(launcher, world, example):
-    ours = _run(launcher, world, example, "sparsecomm")
     ref = _run(launcher, world, example, "ddp-default")
-    assert ours["world_size"] == ref["world_size"] == world
-    # Same data, same initial weights: the two gradient syncs give the same training run.
-    assert ours["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-3, abs=1e-4)
-    assert ours["first_loss"] == pytest.approx(ref["first_loss"], rel=1e-6)
-    # It learns: the held-out metric improves (per-step training loss is too noisy over 12 steps).
-    held_out = "sampled_loss" if example == "train_lm.py" else "logloss"
-    assert ours[f"final_{held_out}"] < ours[f"start_{held_out}"]
-    assert any(k.startswith("comm_") for k in ours) and "paths" in ours
-    return ours
+    for mode in ("sparsecomm", "parallelize"):
+        ours = _run(launcher, world, example, mode)
+        assert ours["world_size"] == ref["world_size"] == world
+        # Same data, same initial weights, same optimizer rule: the same training run.
+        assert ours["final_loss"] == pytest.approx(ref["final_loss"], rel=1e-3, abs=1e-4), mode
+        assert ours["first_loss"] == pytest.approx(ref["first_loss"], rel=1e-6), mode
+        # It learns: the held-out metric improves (per-step training loss is too noisy over 12 steps).
+        held_out = "sampled_loss" if example == "train_lm.py" else "logloss"
+        assert ours[f"final_{held_out}"] < ours[f"start_{held_out}"], mode
+        assert any(k.startswith("comm_") for k in ours) and "paths" in ours, mode
+        if mode == "parallelize":
+            assert ours["sharded_tables"], ours  # the plan sharded the large tables
 
 
 @pytest.mark.mpi
