@@ -90,7 +90,8 @@ def main(argv=None):
     rows = [int(x) for x in args.tables.split(",")]
     data = ClickData(rows, args.dense_features, args.bag_size, args.alpha, seed=args.seed)
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    sample = data.batch(args.batch_size, stream=topo.rank, step=0)[:2]
+    dense0, bags0, _ = data.batch(args.batch_size, stream=topo.rank, step=0)
+    sample = lambda m: m(dense0, bags0)  # noqa: E731  (one batch through the model: the plan measures its ids)
     model, opt, state = prepare(DLRM(rows, args.dim, args.dense_features), args, torch.optim.Adam,
                                 args.lr or 0.05, sample)
     loss_fn = nn.BCEWithLogitsLoss()

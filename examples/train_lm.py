@@ -96,8 +96,9 @@ def main(argv=None):
     topo = setup(args)
     corpus = ZipfCorpus(args.vocab, args.alpha, seed=args.seed)
     torch.manual_seed(args.seed)
-    sample = (corpus.batch(args.batch_size, args.seq_len, stream=topo.rank, step=0),
-              zipf_ids(args.negatives, args.vocab, args.alpha, seed=7_000_000))
+    words0 = corpus.batch(args.batch_size, args.seq_len, stream=topo.rank, step=0)
+    negatives0 = zipf_ids(args.negatives, args.vocab, args.alpha, seed=7_000_000)
+    sample = lambda m: m(words0, negatives0)  # noqa: E731  (one batch through the model: the plan measures its ids)
     model, opt, state = prepare(LSTMLM(args.vocab, args.dim, args.hidden), args, torch.optim.Adam,
                                 args.lr or 0.01, sample)
     held_out = corpus.batch(256, args.seq_len, stream=10_000, step=0)

@@ -232,8 +232,8 @@ def _sample_ids(model: nn.Module, modules: Sequence[Tuple[str, nn.Module]], samp
         handles.append(m.register_forward_pre_hook(grab))
     try:
         with torch.no_grad():
-            if isinstance(sample_batch, tuple):
-                model(*sample_batch)
+            if callable(sample_batch) and not isinstance(sample_batch, (torch.Tensor, nn.Module)):
+                sample_batch(model)
             else:
                 model(sample_batch)
     finally:
@@ -259,9 +259,10 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
 
     Args:
         model: the single-process model (not yet wrapped in DDP).
-        sample_batch: optional: one batch of this rank's data, as the model's
-            forward takes it (a tuple of positional arguments, or the one
-            argument: a tensor, a dict...); run once without gradients to measure
+        sample_batch: optional: one batch of this rank's data, what the
+            training loop passes as ``model(batch)`` (a tensor, a tuple, a
+            dict...), or a function ``f(model)`` that calls the model on one
+            (for a forward with several arguments); run once without gradients to measure
             the distinct ids, union and skew per table.
         process_group: the ranks that will train (default: the whole world).
         memory_budget: bytes per rank for tables and their optimizer state.

@@ -73,6 +73,32 @@ class Batches:
 '''
 
 SNIPPETS: List[Snippet] = [
+    Snippet(  # README "In one call: sparsecomm.parallelize"
+        marker="model, opt = sparsecomm.parallelize(",
+        prelude='''
+class MyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.EmbeddingBag(100_000, 16, mode="sum", sparse=True)   # 6.4 MB with its state: sharded
+        self.small = nn.Embedding(1000, 16, sparse=True)                   # replicated
+        self.mlp = nn.Linear(32, 1)
+    def forward(self, b):
+        return self.mlp(torch.cat([self.big(b[0]), self.small(b[1])], 1))
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(300 + RANK)
+first = (torch.randint(0, 100_000, (32, 4), generator=g), torch.randint(0, 1000, (32,), generator=g))
+sample_batch, data = first, Batches([first] * 12, globals())
+''',
+        check='''
+assert data.losses[-1] < data.losses[0], data.losses
+assert plan.sharded() == ["big"] and plan["small"].placement == "replicate", plan
+assert isinstance(opt, torch.optim.Optimizer) and os.path.exists("run1/manifest.json")
+assert sparsecomm.Plan.from_checkpoint("run1/").sharded() == ["big"] and shutdown_calls == 1
+result = [model.module.big.full_weight(), model.module.small.weight.detach().clone()]
+''',
+        same_on_every_rank=True,
+    ),
     Snippet(  # README "In a DDP model"
         marker="state = sparsecomm.register(ddp)",
         prelude='''
