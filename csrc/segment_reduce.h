@@ -23,6 +23,9 @@ void reduce_groups_with(const RowGroups& groups, RowAt row_at, int64_t d, OutRow
   using A = typename E::acc;
   static_assert(std::is_same<O, S>::value || std::is_same<O, A>::value, "output is storage or accumulator");
   const int64_t num_groups = groups.num_groups();
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(S));
+  constexpr int64_t kPrefetchRows = 8;
+  constexpr int64_t kPrefetchGroups = 4;
   auto load = [](O x) -> A { if constexpr (std::is_same<O, S>::value) return E::load(x); else return x; };
   auto store = [](A x) -> O { if constexpr (std::is_same<O, S>::value) return E::store(x); else return x; };
 #pragma omp parallel num_threads(clamp_threads(threads))
@@ -31,6 +34,10 @@ void reduce_groups_with(const RowGroups& groups, RowAt row_at, int64_t d, OutRow
 #pragma omp for schedule(dynamic, 64)
     for (int64_t g = 0; g < num_groups; ++g) {
       const int64_t b = groups.group_start[g], e = groups.group_start[g + 1];
+      if (g + kPrefetchGroups < num_groups) {  // most groups of skewed ids are one row: fetch the next ones early
+        const char* ahead = reinterpret_cast<const char*>(row_at(groups.order[groups.group_start[g + kPrefetchGroups]]));
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + byte);
+      }
       O* o = out_row(g);
       int64_t k = b;
       A* a = acc.data();
@@ -47,8 +54,11 @@ void reduce_groups_with(const RowGroups& groups, RowAt row_at, int64_t d, OutRow
         for (int64_t j = 0; j < d; ++j) a[j] = E::load(src[j]);
       }
       for (; k < e; ++k) {
-        // Rows arrive in id order, i.e. scattered in memory: fetch ahead.
-        if (k + 4 < e) __builtin_prefetch(row_at(groups.order[k + 4]));
+        // Rows arrive in id order, i.e. scattered in memory: fetch every cache line of a row a few rows ahead.
+        if (k + kPrefetchRows < e) {
+          const char* ahead = reinterpret_cast<const char*>(row_at(groups.order[k + kPrefetchRows]));
+          for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + byte);
+        }
         const S* src = row_at(groups.order[k]);
         if constexpr (std::is_same<S, A>::value) {
           for (int64_t j = 0; j < d; ++j) a[j] += src[j];
