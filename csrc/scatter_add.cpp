@@ -20,7 +20,17 @@ void scatter_add_owned(T* table, int64_t d, const void* ids, IndexType it, int64
 #pragma omp parallel num_threads(threads)
   {
     const auto [t, nt] = this_thread_team();
+    constexpr int64_t kAhead = 16;
+    const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
     for (int64_t i = 0; i < n; ++i) {
+      // Table rows are hit at random: fetch the ones this thread will update a few ids ahead.
+      if (i + kAhead < n) {
+        const int64_t next = load_id(ids, it, i + kAhead);
+        if (next % nt == t) {
+          const char* row = reinterpret_cast<const char*>(table + next * d);
+          for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(row + byte, 1);
+        }
+      }
       const int64_t id = load_id(ids, it, i);
       if (id % nt != t) continue;
       T* dst = table + id * d;
