@@ -43,6 +43,31 @@ VALUE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _SCHEMES = {"hash": 0, "range": 1}
 
 
+
+_MUTATES = {"scatter_add_": 0, "pack_rows_": 0}  # op -> the argument it writes
+
+
+def _run(name: str, *args):
+    """Run registered op ``name``: straight into its CPU kernel when nothing needs the dispatcher.
+
+    The dispatcher's Python layers cost ~30 us a call here (the kernel itself
+    takes a few us on the small inputs a training step passes many times), so
+    plain CPU tensors outside ``torch.compile`` and outside autograd call the
+    kernel directly; compiling, autograd, CUDA, fake or other tensors go
+    through ``torch.ops.sparsecomm.<name>``. An op that writes a tensor bumps
+    its version counter either way, as torch's in-place ops do.
+    """
+    if not torch.compiler.is_compiling():
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        grad = torch.is_grad_enabled()
+        if all(type(t) is torch.Tensor and t.device.type == "cpu" and not (grad and t.requires_grad)
+               for t in tensors):
+            out = getattr(_library, name)._init_fn(*args)
+            if name in _MUTATES:
+                torch.autograd.graph.increment_version(args[_MUTATES[name]])
+            return out
+    return getattr(torch.ops.sparsecomm, name)(*args)
+
 class Partition(NamedTuple):
     """Rows grouped by owner: owner ``o`` holds ``ids[offsets[o]:offsets[o+1]]``.
 
@@ -152,7 +177,7 @@ def coalesce_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: Optional[in
     _check_ids(ids)
     _check_values(values, "values", ids.shape[0], ids.device)
     bound = _check_num_rows(num_rows)
-    out_ids, sums = torch.ops.sparsecomm.coalesce(ids, values.reshape(ids.shape[0], _row_width(values)), bound)
+    out_ids, sums = _run("coalesce", ids, values.reshape(ids.shape[0], _row_width(values)), bound)
     return out_ids, sums.view((out_ids.shape[0], *values.shape[1:]))
 
 
@@ -206,7 +231,7 @@ def partition_rows(ids: torch.Tensor, values: Optional[torch.Tensor], num_owners
     bound = _check_num_rows(num_rows)
     scheme_code, range_size = _owner_map(num_owners, scheme, num_rows, range_size, stride)
     flat = None if values is None else values.reshape(ids.shape[0], _row_width(values))
-    counts, out_ids, out_values, perm = torch.ops.sparsecomm.partition(ids, flat, bound, num_owners, scheme_code,
+    counts, out_ids, out_values, perm = _run("partition", ids, flat, bound, num_owners, scheme_code,
                                                                        range_size, stride)
     return Partition(counts, out_ids, None if values is None else out_values.view(values.shape), perm)
 
@@ -235,7 +260,7 @@ def coalesce_partition_rows(ids: torch.Tensor, values: torch.Tensor, num_owners:
     _check_values(values, "values", ids.shape[0], ids.device)
     bound = _check_num_rows(num_rows)
     scheme_code, range_size = _owner_map(num_owners, scheme, num_rows, range_size, stride)
-    counts, out_ids, sums = torch.ops.sparsecomm.coalesce_partition(
+    counts, out_ids, sums = _run("coalesce_partition",
         ids, values.reshape(ids.shape[0], _row_width(values)), bound, num_owners, scheme_code, range_size, stride)
     return Partition(counts, out_ids, sums.view((out_ids.shape[0], *values.shape[1:])), None)
 
@@ -270,7 +295,7 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     _check_ids(ids)
     _check_values(table, "table", None, ids.device)
     flat = table.reshape(table.shape[0], _row_width(table))
-    return torch.ops.sparsecomm.gather(flat, ids).view((ids.shape[0], *table.shape[1:]))
+    return _run("gather", flat, ids).view((ids.shape[0], *table.shape[1:]))
 
 
 def scatter_add_rows(table: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -319,7 +344,7 @@ def scatter_add_rows(table: torch.Tensor, ids: torch.Tensor, values: torch.Tenso
                            f"be wrong; call it under torch.no_grad()")
     width = _row_width(table)
     # The op declares that it writes `table`: the dispatcher bumps its version as for any in-place op.
-    torch.ops.sparsecomm.scatter_add_(table.view(table.shape[0], width), ids, values.reshape(ids.shape[0], width))
+    _run("scatter_add_", table.view(table.shape[0], width), ids, values.reshape(ids.shape[0], width))
     return table
 
 
@@ -384,7 +409,7 @@ def pack_rows(buffer: torch.Tensor, src: torch.Tensor, index: Optional[torch.Ten
     if len(flat) != 3 * len(segments):
         raise ValueError("segments must be (start, count, byte_offset) triples")
     rows = src if src.dim() == 1 else src.reshape(src.shape[0], _row_width(src))
-    torch.ops.sparsecomm.pack_rows_(buffer, rows, index, flat, wire)
+    _run("pack_rows_", buffer, rows, index, flat, wire)
 
 
 def coalesce_segments(buffer: torch.Tensor, segments: Sequence[Tuple[int, int, int]], wire_ids: torch.dtype,
@@ -429,6 +454,6 @@ def coalesce_segments(buffer: torch.Tensor, segments: Sequence[Tuple[int, int, i
     if len(flat) != 3 * len(segments):
         raise ValueError("segments must be (count, id_byte_offset, value_byte_offset) triples")
     d = math.prod(row_shape)
-    ids, sums = torch.ops.sparsecomm.coalesce_segments(buffer, flat, id_bytes, value_dtype, d, bound, ids_dtype,
+    ids, sums = _run("coalesce_segments", buffer, flat, id_bytes, value_dtype, d, bound, ids_dtype,
                                                        bool(accumulate_dtype))
     return ids, sums.view((ids.shape[0], *row_shape))
