@@ -19,10 +19,12 @@ The rule, in order (the first that applies):
    largest first): shard; none fits: ``ValueError``;
 3. smaller than ``small_table_bytes``: replicate (a replica is cheap and its
    rows ride in the hook's fused sync);
-4. with a sample batch: shard when the predicted cost per step and rank is
-   lower sharded (lookup ids + rows + gradients, and the optimizer on U/N
-   rows) than replicated (the hook's cheaper path: allgather or partitioned,
-   and the optimizer on all U rows); without one: shard (large tables).
+4. with a sample batch: the tables predicted cheaper sharded (lookup ids +
+   rows + gradients, and the optimizer on U/N rows) than replicated (the
+   hook's cheaper path: allgather or partitioned, and the optimizer on all U
+   rows) are sharded together when their summed saving beats the price of
+   the lookup round's own collectives (3 all-to-alls a step, priced with the
+   measured latency of one in bytes); without one: shard (large tables).
 
 A sample batch is measured with one collective: every rank's distinct ids per
 table go to every rank, which computes the same union and skew, so every rank
@@ -43,6 +45,7 @@ import torch.nn as nn
 
 from sparsecomm import cost_model
 from sparsecomm.collectives.exchange import wire_index_dtype
+from sparsecomm.collectives.probe import measure_latency_bytes
 from sparsecomm.collectives.sharded_exchange import all_gather_objects, world
 
 __all__ = ["Plan", "TablePlan", "plan", "PLACEMENTS", "PLAN_FORMAT"]
@@ -55,6 +58,8 @@ _STATE_FACTOR = {"SGD": 0, "Adagrad": 1, "Adam": 2, "SparseAdam": 2}
 # price of one such byte in link bytes: memory here is ~15x faster than the loopback link (docs/PARALLELIZE.md).
 _OPT_TOUCH = {"SGD": 2, "Adagrad": 4, "Adam": 6, "SparseAdam": 6}
 OPTIMIZER_BYTE_PRICE = 1 / 16
+# All-to-alls a step of sharded tables costs (ids, rows, gradients), whatever their number.
+ROUND_COLLECTIVES = 3
 
 
 @dataclasses.dataclass
@@ -102,6 +107,7 @@ class Plan:
     world_size: int
     optimizer: str = "SGD"
     memory_budget: Optional[int] = None
+    latency_bytes: Optional[float] = None    # one collective's latency, in bytes of a large one
 
     def __getitem__(self, name: str) -> TablePlan:
         if name not in self.tables:
@@ -138,7 +144,7 @@ class Plan:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"format": PLAN_FORMAT, "world_size": self.world_size, "optimizer": self.optimizer,
-                "memory_budget": self.memory_budget,
+                "memory_budget": self.memory_budget, "latency_bytes": self.latency_bytes,
                 "tables": {n: dataclasses.asdict(t) for n, t in self.tables.items()}}
 
     @classmethod
@@ -151,7 +157,7 @@ class Plan:
             if t.get("distinct") is not None:
                 t["distinct"] = tuple(t["distinct"])
             tables[n] = TablePlan(**t)
-        return cls(tables, d["world_size"], d.get("optimizer", "SGD"), d.get("memory_budget"))
+        return cls(tables, d["world_size"], d.get("optimizer", "SGD"), d.get("memory_budget"), d.get("latency_bytes"))
 
     @classmethod
     def from_checkpoint(cls, directory: str) -> "Plan":
@@ -182,7 +188,8 @@ class Plan:
         widths = [max(len(str(r[i])) for r in rows) for i in range(len(head) - 1)]
         lines = [f"sparsecomm plan: {self.world_size} ranks, optimizer {self.optimizer}, "
                  f"{_mib(self.memory_per_rank())} MiB of tables per rank"
-                 + (f" (budget {_mib(self.memory_budget)} MiB)" if self.memory_budget is not None else "")]
+                 + (f" (budget {_mib(self.memory_budget)} MiB)" if self.memory_budget is not None else "")
+                 + (f"; one collective ~ {self.latency_bytes:.3g} bytes" if self.latency_bytes else "")]
         for r in rows:
             lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
         return "\n".join(lines)
@@ -254,7 +261,8 @@ def _predict(t: TablePlan, n: int, distinct: Sequence[int], union: int, optimize
 
 
 def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[dist.ProcessGroup] = None,
-         memory_budget: Optional[int] = None, optimizer: Any = "SGD", small_table_bytes: int = 4 << 20) -> Plan:
+         memory_budget: Optional[int] = None, optimizer: Any = "SGD", small_table_bytes: int = 4 << 20,
+         latency_bytes: Optional[float] = None) -> Plan:
     """Decide where each embedding table of ``model`` lives; collective (every rank, same model).
 
     Args:
@@ -268,6 +276,8 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
         memory_budget: bytes per rank for tables and their optimizer state.
         optimizer: the optimizer class or its name (sizes the optimizer state).
         small_table_bytes: tables smaller than this stay replicated.
+        latency_bytes: the price of one collective in bytes (default: measured
+            with a few all-to-alls when a sample batch is given).
 
     Returns:
         The :class:`Plan`, the same on every rank.
@@ -292,7 +302,9 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
         for name, t in tables.items():
             ids = [s[name] for _, s in gathered]
             _predict(t, n, [x.numel() for x in ids], int(torch.unique(torch.cat(ids)).numel()), opt)
-    result = Plan(tables, n, opt, memory_budget)
+    if sample is not None and latency_bytes is None and group is not None:
+        latency_bytes = measure_latency_bytes(group)   # the slowest rank's numbers: the same on every rank
+    result = Plan(tables, n, opt, memory_budget, latency_bytes)
     _decide(result, small_table_bytes)
     return result
 
@@ -320,6 +332,18 @@ def _decide(p: Plan, small_table_bytes: int) -> None:
             t.placement = "shard"
             t.reason = (f"large ({_mib(t.memory_replicated)} MiB replicated): 1/{p.world_size} of the rows and "
                         f"optimizer work per rank")
+    # The lookup round's own collectives are paid once for all sharded tables: shard only when the
+    # tables' summed saving (with a sample batch) beats them.
+    chosen = [t for t in tables if t.placement == "shard" and t.bytes_sharded is not None]
+    if chosen and p.latency_bytes:
+        saving = sum(t.bytes_replicated - t.bytes_sharded for t in chosen)
+        price = ROUND_COLLECTIVES * p.latency_bytes
+        if saving <= price:
+            for t in chosen:
+                t.placement = "replicate"
+                t.reason = (f"the sharded tables would save {saving:.3g} B/step, less than the {ROUND_COLLECTIVES} "
+                            f"collectives of their lookup round ({price:.3g} B of latency): the hook's one fused "
+                            f"sync is cheaper")
     if p.memory_budget is None or p.memory_per_rank() <= p.memory_budget:
         return
     # Over budget: shard what still can be, largest replica first, until it fits.

@@ -9,8 +9,10 @@ step by step, on the same batches (noise hits all alike):
 - ``ddp``: plain DDP, ``sparse=True`` tables (gloo's sparse allreduce);
 - ``register``: the same under ``sparsecomm.register`` (the hook);
 - ``parallelize``: ``sparsecomm.parallelize`` with the automatic plan from a
-  sample batch (large tables sharded with owner-side optimizers, the rest
-  replicated under the hook);
+  sample batch (large tables sharded with owner-side optimizers when that
+  is predicted faster, the rest replicated under the hook);
+- ``sharded``: ``parallelize`` with every table of 4 MiB or more sharded
+  (``plan.override``), whatever the plan predicts;
 - ``floor``: one process on the per-rank batch, no communication at all.
   ``floor_sharded`` estimates the floor of a sharded plan: the floor's step
   minus (N-1)/N of its optimizer time (the owners' share of the update).
@@ -46,7 +48,7 @@ from sparsecomm.bench.launch import add_launch_args, run_distributed
 from sparsecomm.sharded.combined import build_optimizer
 from sparsecomm.synthetic import zipf_ids
 
-METHODS = ("ddp", "register", "parallelize")
+METHODS = ("ddp", "register", "parallelize", "sharded")
 PHASES = ("forward", "backward", "optimizer", "step")
 # Adagrad starts its accumulators at 0.1 (as DLRM setups do): a first step of lr * g / |g| would make the
 # float64 check meaningless for gradients near zero, where float32 and float64 disagree on the sign.
@@ -61,8 +63,8 @@ LEGEND = {
     "samples_per_s": "global batch (all ranks) / step_ms",
     "vs_ddp": "plain DDP's step time over this method's (> 1: faster)",
     "MB_per_rank": "tables + dense parameters + optimizer state this rank holds",
-    "floor_ms": "one process on the per-rank batch without communication (parallelize row: minus the owners' "
-                "(N-1)/N share of the optimizer)",
+    "floor_ms": "one process on the per-rank batch without communication (rows with sharded tables: minus the "
+                "owners' (N-1)/N share of the optimizer)",
     "#wrong": "tensors off a float64 single-process step on the whole batch (non-zero exits 3)",
 }
 
@@ -145,9 +147,14 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
             if method == "register":
                 sparsecomm.register(model)
             opt = reference_optimizer(model.module, optimizer)
-        elif method == "parallelize":
+        elif method in ("parallelize", "sharded"):
             plan = sparsecomm.plan(model, make_batch(a, rows, 0, rank), optimizer=cls)
-            plan_text = str(plan)
+            if method == "parallelize":
+                plan_text = str(plan)
+            else:
+                for name, t in plan.tables.items():
+                    if t.memory_replicated >= 4 << 20:
+                        plan.override(name, "shard")
             model, opt = sparsecomm.parallelize(model, cls, plan=plan, **kw)
         else:
             opt = reference_optimizer(model, optimizer)
@@ -202,7 +209,8 @@ def body(a: argparse.Namespace) -> List[Row]:
                 "world": n, "optimizer": optimizer, "method": m, "step_ms": 1e3 * step,
                 "samples_per_s": a.batch * n / step, "vs_ddp": med["ddp"]["step"] / step,
                 "MB_per_rank": max(e["memory"][m] for e in everyone) / 2**20,
-                "floor_ms": 1e3 * (floor_sharded if m == "parallelize" else floor),
+                "floor_ms": 1e3 * (floor_sharded if m == "sharded" or (m == "parallelize" and "shard (" in
+                                                                       mine["plan"]) else floor),
                 "forward_ms": 1e3 * med[m]["forward"], "backward_ms": 1e3 * med[m]["backward"],
                 "optimizer_ms": 1e3 * med[m]["optimizer"],
                 "#wrong": max(e["wrong"][m] for e in everyone)}))
