@@ -126,8 +126,7 @@ def check_counts(counts: Sequence[int], limit: int, what: str) -> List[int]:
 def count_copied(stats: Optional[SparseSyncStats], nbytes: int) -> None:
     """Add bytes copied between tensors and wire buffers to ``stats.bytes_copied``."""
     if stats is not None and nbytes:
-        # setattr: the counter exists whether or not this SparseSyncStats declares the field.
-        stats.bytes_copied = getattr(stats, "bytes_copied", 0) + nbytes
+        stats.bytes_copied += nbytes
 
 
 def count_bytes(stats: Optional[SparseSyncStats], send: Sequence[int], recv: Sequence[int], me: int,
