@@ -41,7 +41,7 @@ import sys
 import time
 from typing import Dict, List
 
-from sparsecomm.bench.netns import EmulatedCluster, can_emulate
+from sparsecomm.bench.netns import EmulatedCluster, can_emulate, collect, kill_all
 
 METHODS = ("dense", "torch", "allgather", "partitioned", "two_level", "tree")
 
@@ -196,20 +196,11 @@ def _run_topology(a, hosts: int, rph: int, records: List[dict]) -> int:
                     _print_row(rec)
                 if time.monotonic() > deadline:
                     break
-            errs = []
-            for p in procs:
-                try:
-                    errs.append(p.communicate(timeout=max(1, deadline - time.monotonic()))[1])
-                except subprocess.TimeoutExpired:
-                    errs.append("timed out")
-            failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+            outs, failed = collect(procs, deadline)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGKILL)
-                    p.wait()
+            kill_all(procs)
         if failed:
-            print(f"cluster: {hosts}x{rph}: ranks {failed} failed:\n" + (errs[failed[0]] or "")[-2000:],
+            print(f"cluster: {hosts}x{rph}: ranks {failed} failed:\n" + (outs[failed[0]][1] or "")[-2000:],
                   file=sys.stderr)
             return 1
     return 0

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from typing import List
 
-from sparsecomm.bench.netns import EmulatedCluster, can_emulate
+from sparsecomm.bench.netns import EmulatedCluster, can_emulate, collect, kill_all
 
 def _worker(args: argparse.Namespace) -> None:
     import torch
@@ -91,18 +90,9 @@ def _launch(args: argparse.Namespace) -> int:
                 procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                               text=True))
             deadline = time.monotonic() + args.timeout
-            outs = []
-            for p in procs:
-                try:
-                    outs.append(p.communicate(timeout=max(1, deadline - time.monotonic())))
-                except subprocess.TimeoutExpired:
-                    outs.append(("", "timed out"))
-            failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+            outs, failed = collect(procs, deadline)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGKILL)
-                    p.wait()
+            kill_all(procs)
         if failed:
             print(f"two_hosts: ranks {failed} failed:\n" + outs[failed[0]][1][-2000:], file=sys.stderr)
             return 1

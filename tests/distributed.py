@@ -98,3 +98,17 @@ def expect_value_error(fn: Callable[[], Any], match: str) -> str:
         assert match in str(e), f"expected {match!r} in {e}"
         return str(e)
     raise AssertionError(f"no ValueError (expected {match!r})")
+
+
+def run_cases(rank: int, world: int, cases) -> Dict[str, Any]:
+    """Run ``(name, fn, args)`` cases in order on this rank: ``{name: fn(rank, world, *args)}``.
+
+    A failing case is re-raised naming the case, the rank and the world size.
+    """
+    out: Dict[str, Any] = {}
+    for name, fn, args in cases:
+        try:
+            out[name] = fn(rank, world, *args)
+        except BaseException as exc:
+            raise AssertionError(f"case {name} failed on rank {rank} of {world}") from exc
+    return out

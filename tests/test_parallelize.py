@@ -12,7 +12,6 @@ the reference does. Errors are raised before anything is modified, on every rank
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ import sparsecomm
 from sparsecomm import sharded
 from sparsecomm.sharded.lookup import PendingLookup
 
-from distributed import expect_value_error, run_ranks
+from distributed import expect_value_error, run_cases, run_ranks
 
 GLOBAL_BATCH = 12          # divisible by 1, 2 and 3: every rank gets the same number of samples
 STEPS = 4
@@ -256,17 +255,10 @@ def case_load(rank, world, directory):
     return True
 
 
-def worker(rank, world, directory, cases):
-    out = {}
-    for name in cases:
-        fn = {"training": case_training, "pending": case_pending_results, "errors": case_errors,
-              "auto": case_auto_plan, "save": case_save, "load": case_load}[name]
-        args = (directory,) if name in ("save", "load") else ()
-        try:
-            out[name] = fn(rank, world, *args)
-        except BaseException as exc:
-            raise AssertionError(f"case {name} failed on rank {rank} of {world}") from exc
-    return out
+def worker(rank, world, directory, names):
+    cases = {"training": case_training, "pending": case_pending_results, "errors": case_errors,
+             "auto": case_auto_plan, "save": case_save, "load": case_load}
+    return run_cases(rank, world, [(n, cases[n], (directory,) if n in ("save", "load") else ()) for n in names])
 
 
 @pytest.fixture(scope="module")

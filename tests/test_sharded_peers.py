@@ -24,7 +24,7 @@ from sparsecomm import ops
 from sparsecomm.collectives import groups, sharded_exchange
 from sparsecomm.sharded import checkpoint as ckpt
 
-from distributed import expect_value_error, run_ranks
+from distributed import expect_value_error, run_cases, run_ranks
 
 WORLD = 3
 BAD = 2            # the rank that corrupts what it sends
@@ -226,16 +226,10 @@ def case_checkpoint_checksums_split(rank, world, root):
 
 
 def _worker(rank, world, root):
-    out = {}
-    for name, fn, args in (("malicious_peer", case_malicious_peer, ()),
-                           ("full_table", case_full_table_from_bad_shards, ()),
-                           ("bag_input", case_bag_input_on_one_rank, ()),
-                           ("checksums", case_checkpoint_checksums_split, (root,))):
-        try:
-            out[name] = fn(rank, world, *args)
-        except BaseException as exc:
-            raise AssertionError(f"case {name} failed on rank {rank} of {world}") from exc
-    return out
+    return run_cases(rank, world, (("malicious_peer", case_malicious_peer, ()),
+                                   ("full_table", case_full_table_from_bad_shards, ()),
+                                   ("bag_input", case_bag_input_on_one_rank, ()),
+                                   ("checksums", case_checkpoint_checksums_split, (root,))))
 
 
 @pytest.fixture(scope="module")

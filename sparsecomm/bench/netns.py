@@ -14,8 +14,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
-from typing import List
+import time
+from typing import List, Tuple
 
 __all__ = ["EmulatedCluster", "can_emulate", "parse_rate"]
 
@@ -126,3 +128,25 @@ class EmulatedCluster:
 
     def names(self) -> List[str]:
         return [*self.ns, self.switch]
+
+
+def collect(procs: List[subprocess.Popen], deadline: float) -> Tuple[List[Tuple[str, str]], List[int]]:
+    """Wait for rank processes until ``deadline`` (``time.monotonic()``); their ``(stdout, stderr)`` and the failed ones.
+
+    A process still running at the deadline counts as failed (its output reads ``"timed out"``).
+    """
+    outs: List[Tuple[str, str]] = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=max(1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            outs.append(("", "timed out"))
+    return outs, [i for i, p in enumerate(procs) if p.returncode != 0]
+
+
+def kill_all(procs: List[subprocess.Popen]) -> None:
+    """Kill the rank processes still running (after a failure or an interrupt) and reap them."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
