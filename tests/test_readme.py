@@ -79,7 +79,7 @@ SNIPPETS: List[Snippet] = [
 class MyModel(nn.Module):
     def __init__(self):
         super().__init__()
-        self.big = nn.EmbeddingBag(100_000, 16, mode="sum", sparse=True)   # 6.4 MB with its state: sharded
+        self.big = nn.EmbeddingBag(100_000, 16, mode="sum", sparse=True)   # 12.8 MB with its state: a candidate
         self.small = nn.Embedding(1000, 16, sparse=True)                   # replicated
         self.mlp = nn.Linear(32, 1)
     def forward(self, b):
@@ -92,10 +92,12 @@ sample_batch, data = first, Batches([first] * 12, globals())
 ''',
         check='''
 assert data.losses[-1] < data.losses[0], data.losses
-assert plan.sharded() == ["big"] and plan["small"].placement == "replicate", plan
+# "big" is sharded only where the plan predicts it pays (its reason says why either way); "small" never is.
+assert set(plan.sharded()) <= {"big"} and plan["small"].placement == "replicate" and plan["big"].reason, plan
 assert isinstance(opt, torch.optim.Optimizer) and os.path.exists("run1/manifest.json")
-assert sparsecomm.Plan.from_checkpoint("run1/").sharded() == ["big"] and shutdown_calls == 1
-result = [model.module.big.full_weight(), model.module.small.weight.detach().clone()]
+assert sparsecomm.Plan.from_checkpoint("run1/").sharded() == plan.sharded() and shutdown_calls == 1
+big = model.module.big
+result = [big.full_weight() if plan.sharded() else big.weight.detach().clone(), model.module.small.weight.detach().clone()]
 ''',
         same_on_every_rank=True,
     ),

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from sparsecomm.collectives.sharded_exchange import agree, all_gather_objects, barrier, world
+from sparsecomm.collectives.sharded_exchange import agree, all_gather_objects, barrier, sharded_group, world
 from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded.embedding import sharded_modules
 from sparsecomm.sharded.optimizer import ShardedOptimizer
@@ -99,7 +99,12 @@ def _atomic_write(path: str, write) -> Dict[str, Any]:
 def _tables_and_group(model: nn.Module):
     tables = sharded_modules(model)
     if not tables:
-        raise ValueError(f"{type(model).__name__} contains no ShardedEmbedding/ShardedEmbeddingBag")
+        if getattr(_unwrap(model), "sparsecomm_plan", None) is None:
+            raise ValueError(f"{type(model).__name__} contains no ShardedEmbedding/ShardedEmbeddingBag")
+        # A parallelized model whose plan sharded nothing: the checkpoint holds its replicated parts.
+        group = sharded_group(getattr(model, "process_group", None))
+        rank, world_size = world(group)
+        return tables, group, rank, world_size
     group = tables[0][1]._group
     ws = {(t.layout.world_size, t.layout.rank) for _, t in tables}
     if len(ws) != 1:
