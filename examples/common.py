@@ -44,7 +44,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "the hook); sparsecomm: DDP + sparsecomm.register; ddp-default: DDP's own gradient sync")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: per example)")
     p.add_argument("--small-table-bytes", type=int, default=4 << 20,
-                   help="parallelize: tables smaller than this stay replicated (0: shard every table it can)")
+                   help="parallelize: tables smaller than this stay replicated")
+    p.add_argument("--latency-bytes", type=float, default=None,
+                   help="parallelize: the price of one collective in bytes, which sharded tables' lookup round "
+                        "must repay (default: measured; 0: shard every table predicted to move fewer bytes)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
     p.add_argument("--log-every", type=int, default=20, help="progress line every N steps")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
@@ -70,7 +73,7 @@ def prepare(model: torch.nn.Module, args: argparse.Namespace, optimizer_class, l
     """
     if args.mode == "parallelize":
         plan = sparsecomm.plan(model, sample_batch, optimizer=optimizer_class,
-                               small_table_bytes=args.small_table_bytes)
+                               small_table_bytes=args.small_table_bytes, latency_bytes=args.latency_bytes)
         model, opt = sparsecomm.parallelize(model, optimizer_class, plan=plan, lr=lr)
         inner = unwrap(model)
         if topology_rank() == 0:
