@@ -30,9 +30,6 @@ __all__ = ["parallelize"]
 
 def _check_plan(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: int,
                 optimizer_class: Type[torch.optim.Optimizer]) -> None:
-    if p.world_size != n:
-        # A plan from a checkpoint at another world size keeps its placements; its numbers are stale.
-        p.world_size = n
     missing = sorted(set(modules) - set(p.tables))
     extra = sorted(set(p.tables) - set(modules))
     if missing or extra:
@@ -124,7 +121,9 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
             raise ValueError(f"sparsecomm.parallelize: rank {r} shards {placed} but rank 0 shards {verdicts[0][1]}: "
                              f"pass the same plan on every rank")
 
-    # Nothing was modified so far. Shard the planned tables, with rank 0's rows.
+    # Nothing was modified so far. A plan from a checkpoint at another world size keeps its placements
+    # (its numbers are that world's). Shard the planned tables, with rank 0's rows.
+    plan.world_size = n
     src = dist.get_global_rank(process_group, 0) if process_group is not None and n > 1 else 0
     tables: List[nn.Module] = []
     for name in plan.sharded():

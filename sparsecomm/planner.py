@@ -249,8 +249,8 @@ def _sample_ids(model: nn.Module, modules: Sequence[Tuple[str, nn.Module]], samp
     return {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
 
 
-def _predict(t: TablePlan, n: int, distinct: Sequence[int], union: int, optimizer: str) -> None:
-    row = t.embedding_dim * torch.empty(0, dtype=getattr(torch, t.dtype)).element_size()
+def _predict(t: TablePlan, m: nn.Module, n: int, distinct: Sequence[int], union: int, optimizer: str) -> None:
+    row = t.embedding_dim * m.weight.element_size()
     idb = torch.empty(0, dtype=wire_index_dtype(t.num_embeddings)).element_size()
     k = max(distinct)
     t.distinct, t.union = tuple(distinct), union
@@ -299,9 +299,9 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
             raise ValueError(f"sparsecomm.plan: rank {r}'s model has embedding tables {theirs} but this rank's has "
                              f"{mine}: every rank must pass the same model")
     if sample is not None:
-        for name, t in tables.items():
+        for name, m in modules:
             ids = [s[name] for _, s in gathered]
-            _predict(t, n, [x.numel() for x in ids], int(torch.unique(torch.cat(ids)).numel()), opt)
+            _predict(tables[name], m, n, [x.numel() for x in ids], int(torch.unique(torch.cat(ids)).numel()), opt)
     if sample is not None and latency_bytes is None and group is not None:
         latency_bytes = measure_latency_bytes(group)   # the slowest rank's numbers: the same on every rank
     result = Plan(tables, n, opt, memory_budget, latency_bytes)

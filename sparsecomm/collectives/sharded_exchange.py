@@ -32,14 +32,13 @@ A ``group`` of None here means "no peers": everything stays local.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sparsecomm.collectives.exchange import (all_to_all_rows, allgather_rows, count_bytes, exchange_tables,
-                                            wire_index_dtype)
+                                            wire_index_dtype, wire_row_bytes)
 from sparsecomm.collectives.groups import comm_device, twin_group
 from sparsecomm.types import SparseSyncStats
 
@@ -344,7 +343,7 @@ def _exchange_blocks(blocks: List[torch.Tensor], send: Sequence[Sequence[int]], 
     me, n = world(group)
     home = blocks[0].device
     dev = comm_device(group, home)
-    widths = [math.prod(b.shape[1:]) * b.element_size() for b in blocks]
+    widths = [wire_row_bytes(b) for b in blocks]
     count_bytes(stats, [sum(s[j] * w for s, w in zip(send, widths)) for j in range(n)],
                 [sum(r[j] * w for r, w in zip(recv, widths)) for j in range(n)], me, None)
     out = exchange_tables([[b.contiguous()] for b in blocks], send, recv, [False] * len(blocks), group, dev)

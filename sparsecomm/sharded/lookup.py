@@ -172,6 +172,7 @@ class TableSet:
         if len({id(t) for t in tables}) != len(tables):
             raise ValueError("a table appears twice in a TableSet")
         self.tables = tables
+        self._index = {id(t): i for i, t in enumerate(tables)}   # table -> its position in a round
         self.lazy = lazy
         self.group = tables[0]._group
         self.stats = stats if stats is not None else SparseSyncStats(world_size=world(self.group)[1])
@@ -201,10 +202,9 @@ class TableSet:
         with torch.set_grad_enabled(grad):
             rows = _Round.apply(self, state, *[t.local_weight for t in self.tables])
         tables: List[_Table] = state["tables"]
-        index = {id(t): i for i, t in enumerate(self.tables)}
         seen: Dict[int, int] = {}
         for lk in lookups:
-            i = index[id(lk.table)]
+            i = self._index[id(lk.table)]
             nth = seen.get(i, 0)
             seen[i] = nth + 1
             info = tables[i]
@@ -217,10 +217,9 @@ class TableSet:
         lookups: List[Lookup] = state["lookups"]
         status = state["status"]
         ok = status[0] == STATUS_OK
-        index = {id(t): i for i, t in enumerate(self.tables)}
         ids_of: List[List[torch.Tensor]] = [[] for _ in self.tables]
         for lk in lookups:
-            ids_of[index[id(lk.table)]].append(lk.ids)
+            ids_of[self._index[id(lk.table)]].append(lk.ids)
         tables = [_Table() for _ in self.tables]
         requests = []
         for t, info, ids in zip(self.tables, tables, ids_of):
@@ -269,10 +268,8 @@ class TableSet:
             rows.append(g.contiguous().index_select(0, info.part.perm))
         got = exchange_rows(rows, Routes(send, recv, routes.requested, routes.present, None), self.group,
                             self.stats)
-        out: List[Optional[torch.Tensor]] = []
-        for t, info, g, p in zip(self.tables, tables, got, pushing):
-            out.append(t._owner_gradient(info.slots, routes.requested[len(out)], g) if p else None)
-        return out
+        return [t._owner_gradient(info.slots, requested, g) if p else None
+                for t, info, requested, g, p in zip(self.tables, tables, routes.requested, got, pushing)]
 
 
 def group_tables(model: nn.Module, tables: Optional[Sequence[Any]] = None) -> TableSet:
@@ -299,7 +296,7 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[Any]] = None) -> Ta
         raise ValueError(f"{type(model).__name__} contains no sharded table to group")
     table_set = TableSet(tables, lazy=True)
     for t in tables:
-        t._set._open and t._set.flush()
+        t._set.flush()  # a lookup still pending in its old set runs there first
         t._set = table_set
 
     def finish_forward(module, args, output):
