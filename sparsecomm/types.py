@@ -73,6 +73,8 @@ class SparseSyncStats:
     bytes_sent_inter_node: int = 0
     bytes_recv_inter_node: int = 0
     bytes_copied: int = 0     # bytes the kernels copied between the rows and the wire (send and receive side)
+    row_lookups: int = 0      # sharded bag/table lookups served as unique rows (pooled by the requester)
+    pooled_lookups: int = 0   # sharded bag lookups pooled by the owners (partial bags travel, not rows)
     hierarchical: bool = False
     seconds: Dict[str, float] = field(default_factory=dict)
 
@@ -86,7 +88,8 @@ class SparseSyncStats:
     def merge(self, other: "SparseSyncStats") -> None:
         """Accumulate another call's counters into this one (e.g. per step)."""
         for name in ("rows_in", "rows_local", "rows_local_sum", "rows_out", "bytes_sent", "bytes_recv",
-                     "bytes_sent_inter_node", "bytes_recv_inter_node", "bytes_copied"):
+                     "bytes_sent_inter_node", "bytes_recv_inter_node", "bytes_copied", "row_lookups",
+                     "pooled_lookups"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for k, v in other.seconds.items():
             self.add_time(k, v)

@@ -30,9 +30,15 @@ WORLD = 3
 BAD = 2            # the rank that corrupts what it sends
 V, D = 30, 4
 # Columns of a metadata row: status 0, detail 1, round 2, capacity 3, tables 4, width 5, looked-up flag 6,
-# owned rows 7, fingerprint 8..11, counts 12..14, then (once the table has a capacity) the ids for the peer.
+# owned rows 7, fingerprint 8..11, counts 12..14, path (1: pooled) 15, per-sample-weight bytes 16, pooled
+# occurrences 17..19 and bags 20..22 per owner, two byte estimates 23..24, then (once the table has a capacity)
+# the ids for the peer, followed by a pooled lookup's positions and bag lengths (int32 pairs in int64 words).
 META_STATUS, META_CAPACITY, META_NUM_LOCAL, META_COUNTS = 0, 3, 7, 12
-META_IDS = META_COUNTS + WORLD
+META_PATH = META_COUNTS + WORLD
+META_WEIGHT_BYTES = META_PATH + 1
+META_OCC = META_PATH + 2
+META_BAGS = META_OCC + WORLD
+META_IDS = META_BAGS + WORLD + 2
 
 
 class Corrupt:
@@ -140,6 +146,59 @@ def case_malicious_peer(rank, world):
     return refused
 
 
+def pooled_extras(edit_words):
+    """Corrupt the pooled extras (padded behind the ids): ``edit_words(words, ids, occurrences)`` per owner row."""
+    def edit(meta, _):
+        for j in range(meta.shape[0]):
+            ids, occ = int(meta[j, META_COUNTS + j]), int(meta[j, META_OCC + j])
+            edit_words(meta[j, META_IDS + ids:], ids, occ)
+        return meta
+    return edit
+
+
+def case_malicious_pooled_peer(rank, world):
+    """A pooled bag lookup (owners pool): lies about occurrences, bags, positions and lengths raise everywhere."""
+    emb = sh.ShardedEmbeddingBag(V, D, mode="sum", owner_pooling="always", seed=3, dtype=torch.float64)
+    opt = sh.ShardedSGD(emb, lr=0.5)
+    full = emb.full_weight()
+    # Every rank's bags hit every owner (the bad rank's hold every row, twice).
+    ids = torch.cat([torch.arange(V), torch.arange(V)]).view(6, 10) if rank == BAD else \
+        torch.tensor([[1, 2, 29, 1], [5, 6, 7, 8]])
+
+    def still_works():
+        out = emb(ids)
+        assert torch.allclose(out, full[ids].sum(1))
+        opt.zero_grad()
+        out.sum().backward()
+        opt.step()
+        full.copy_(emb.full_weight())
+
+    still_works()
+    still_works()
+    assert emb.stats.pooled_lookups == 2 and emb.stats.row_lookups == 0
+
+    def huge_position(words, ids, occ):
+        words[0] = 1 << 40           # positions 0 and 1 (int32 pair): 0 and 256
+
+    def empty_bag(words, ids, occ):
+        words[(occ * 4 + 7) // 8] = 0  # the first two bag lengths: 0
+
+    cases = [
+        (set_column(META_PATH, 2), "impossible pooled lookup"),
+        (set_column(META_WEIGHT_BYTES, 3), "impossible pooled lookup"),
+        (set_column(META_OCC + 0, -1), f"rank {BAD} announced -1 id occurrences"),
+        (set_column(META_OCC + 1, 1 << 40), f"rank {BAD} announced {1 << 40} id occurrences"),
+        (set_column(META_BAGS + 0, 10**6), f"rank {BAD} announced"),
+        (pooled_extras(huge_position), f"rank {BAD} sent rank {rank} an occurrence position outside"),
+        (pooled_extras(empty_bag), f"rank {BAD} sent rank {rank} an empty bag"),
+    ]
+    for edit, match in cases:
+        with Corrupt(0, edit) if rank == BAD else nullcontext():
+            expect_value_error(lambda: emb(ids), match)
+        still_works()
+    return len(cases)
+
+
 def case_full_table_from_bad_shards(rank, world):
     """``full_weight`` assembles the table from every rank's shard: a bad shard is refused everywhere."""
     emb = sh.ShardedEmbedding(V, D, seed=9)
@@ -227,6 +286,7 @@ def case_checkpoint_checksums_split(rank, world, root):
 
 def _worker(rank, world, root):
     return run_cases(rank, world, (("malicious_peer", case_malicious_peer, ()),
+                                   ("malicious_pooled_peer", case_malicious_pooled_peer, ()),
                                    ("full_table", case_full_table_from_bad_shards, ()),
                                    ("bag_input", case_bag_input_on_one_rank, ()),
                                    ("checksums", case_checkpoint_checksums_split, (root,))))
@@ -240,6 +300,10 @@ def results(tmp_path_factory):
 
 def test_bad_counts_and_ids_from_one_peer_raise_on_every_rank(results):
     assert all(results[r]["malicious_peer"] == 14 for r in range(WORLD))
+
+
+def test_a_lying_peer_of_a_pooled_lookup_raises_on_every_rank(results):
+    assert all(results[r]["malicious_pooled_peer"] == 7 for r in range(WORLD))
 
 
 def test_a_bad_shard_in_the_full_table_raises_on_every_rank(results):

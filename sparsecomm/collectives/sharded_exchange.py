@@ -23,6 +23,16 @@ One lookup round on N ranks covers any number of tables (docs/DESIGN.md,
    gradient rows travel the same routes reversed, in one all-to-all; the ids
    need not travel again.
 
+A bag table may be looked up *pooled* (owner-side pooling): with its unique
+ids, the requester sends each owner, for the ids that owner holds, every
+occurrence's position among those ids, the length of each bag that has ids
+there and (optionally) each occurrence's per-sample weight; the owner answers
+with one partial pooled bag per such bag instead of one row per id, and
+receives one gradient row per bag in backward. Which path a requester took is
+in its metadata row, so an owner serves each requester as asked; the extras
+ride in the same messages as the ids (packed into int64 words), so the path
+costs no extra collective.
+
 The bytes go through :mod:`sparsecomm.collectives.exchange` (one packing path).
 Tables talk over a dedicated twin of the caller's group (:func:`sharded_group`)
 so their synchronous all-to-alls never interleave with DDP's asynchronous
@@ -43,7 +53,8 @@ from sparsecomm.collectives.groups import comm_device, twin_group
 from sparsecomm.types import SparseSyncStats
 
 __all__ = [
-    "STATUS_OK", "STATUS_ID_RANGE", "STATUS_BAD_INPUT", "FINGERPRINT_LEN", "TableRequest", "Routes",
+    "STATUS_OK", "STATUS_ID_RANGE", "STATUS_BAD_INPUT", "FINGERPRINT_LEN", "MAX_OCCURRENCES", "TableRequest",
+    "PooledRequest", "PooledPart", "Routes", "pack_words", "words_for", "pooled_words",
     "world", "sharded_group", "request_rows", "pull_rows", "exchange_rows", "allgather_table_rows",
     "all_gather_objects", "barrier", "agree", "broadcast_int",
 ]
@@ -60,6 +71,73 @@ _MESSAGE_WIDTH: Dict[Any, int] = {}
 # No rank needs more columns than this (a peer announcing more is refused before anything is sized from it).
 _MAX_WIDTH = 1 << 22
 FINGERPRINT_LEN = 4
+# Per table, after the counts: path (0 rows, 1 pooled), per-sample-weight bytes, per owner the occurrences and
+# the bags sent to it (pooled), then this rank's byte estimates of both paths (the next round's choice).
+_POOL_HEAD = 2
+# No requester sends one owner more id occurrences than this in one round (refused before anything is sized).
+MAX_OCCURRENCES = 1 << 28
+
+
+class PooledRequest(NamedTuple):
+    """What a pooled lookup of one bag table sends each owner besides its unique ids.
+
+    Attributes:
+        occurrences: ``(N,)`` int64, id occurrences sent to each owner (ids of
+            the bags that owner holds, with repeats).
+        bags: ``(N,)`` int64, bags with at least one id at each owner.
+        words: per owner, the extras packed into int64 words: every
+            occurrence's position among the unique ids sent to that owner
+            (int32), each bag's length there (int32), then the per-sample
+            weights (the table's dtype) when ``weight_bytes``.
+        weight_bytes: bytes of one per-sample weight, 0 without weights.
+    """
+
+    occurrences: torch.Tensor
+    bags: torch.Tensor
+    words: List[torch.Tensor]
+    weight_bytes: int = 0
+
+
+class PooledPart(NamedTuple):
+    """What one requester's pooled lookup asked of this owner (checked).
+
+    Attributes:
+        positions: ``(n,)`` int64, each occurrence's index among the unique ids
+            that requester sent for the table.
+        lengths: ``(m,)`` int64, each bag's occurrences (all >= 1, sum ``n``).
+        weights: ``(n,)`` per-sample weights, or None.
+    """
+
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    weights: Optional[torch.Tensor]
+
+
+def pack_words(*tensors: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensors`` (each padded to 8 bytes) as one int64 tensor (see :func:`words_for`)."""
+    sizes = [words_for(t.numel(), t.element_size()) for t in tensors]
+    out = torch.zeros(sum(sizes), dtype=torch.int64, device=tensors[0].device if tensors else None)
+    raw, at = out.view(torch.uint8), 0
+    for t, size in zip(tensors, sizes):
+        b = t.contiguous().view(-1).view(torch.uint8)
+        raw[at:at + b.numel()] = b
+        at += size * 8
+    return out
+
+
+def words_for(count: int, itemsize: int) -> int:
+    """int64 words :func:`pack_words` takes for ``count`` items of ``itemsize`` bytes."""
+    return (count * itemsize + 7) // 8
+
+
+def _unpack(words: torch.Tensor, dtype: torch.dtype, count: int) -> torch.Tensor:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return words.contiguous().view(torch.uint8)[:count * itemsize].view(dtype)
+
+
+def pooled_words(occurrences: int, bags: int, weight_bytes: int) -> int:
+    """int64 words of one requester's pooled extras for one owner (positions, lengths, weights)."""
+    return words_for(occurrences, 4) + words_for(bags, 4) + words_for(occurrences, weight_bytes)
 
 
 class TableRequest(NamedTuple):
@@ -86,6 +164,9 @@ class TableRequest(NamedTuple):
     num_local: int
     present: bool = True
     owns: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    pooled: Optional[PooledRequest] = None
+    weight_dtype: torch.dtype = torch.float32
+    estimates: Tuple[int, int] = (0, 0)
 
 
 class Routes(NamedTuple):
@@ -99,8 +180,17 @@ class Routes(NamedTuple):
             same on every rank: only those get a gradient).
         problem: None, or why this owner refuses the ids it was sent; pass the
             routes to :func:`pull_rows`, which makes every rank raise.
-        largest: the most ids any rank asked of any one owner (all tables
-            together; the same on every rank): sizes the next round's capacity.
+        largest: the most int64 words (ids and pooled extras) any rank sent
+            any one owner (all tables together; the same on every rank):
+            sizes the next round's capacity.
+        rows_send: per table, rows each owner returns to this rank (its ids,
+            or its bags when this rank looked the table up pooled); backward
+            sends as many gradient rows back.
+        rows_recv: per table, rows this rank serves each requester.
+        pooled: per table, per requester, the :class:`PooledPart` it sent, or
+            None (rows path).
+        estimates: per table, the wire bytes of the rows and the pooled path
+            summed over the ranks (equal on every rank): the next round's choice.
     """
 
     send: List[List[int]]
@@ -109,6 +199,10 @@ class Routes(NamedTuple):
     present: List[bool]
     problem: Optional[str]
     largest: int = 0
+    rows_send: Optional[List[List[int]]] = None
+    rows_recv: Optional[List[List[int]]] = None
+    pooled: Optional[List[List[Optional[PooledPart]]]] = None
+    estimates: Optional[List[Tuple[int, int]]] = None
 
 
 def world(group: Optional[dist.ProcessGroup] = None) -> Tuple[int, int]:
@@ -142,6 +236,7 @@ class _Meta(NamedTuple):
     count: int                            # tables in the round
     tables: Tuple[Tuple[int, ...], ...]   # per table: present, then the fingerprint
     num_local: Tuple[int, ...]            # per table: rows the rank says it owns
+    pooled: Tuple[Tuple[int, ...], ...]   # per table: path, weight bytes, estimate rows, estimate pooled
 
 
 def _describe_status(rank: int, status: int, detail: int, num_rows: Optional[int]) -> str:
@@ -151,11 +246,12 @@ def _describe_status(rank: int, status: int, detail: int, num_rows: Optional[int
     return f"rank {rank} passed an invalid input"
 
 
-def _meta_problem(rows: List[_Meta], counts: torch.Tensor, me: int, requests: Sequence[TableRequest]
-                  ) -> Optional[str]:
+def _meta_problem(rows: List[_Meta], counts: torch.Tensor, occurrences: torch.Tensor, bags: torch.Tensor, me: int,
+                  requests: Sequence[TableRequest]) -> Optional[str]:
     """The first problem in every rank's metadata, or None; the same answer on every rank but ``me``'s wording.
 
-    ``counts[t, r, j]``: the ids rank r says it asks of rank j for table t.
+    ``counts[t, r, j]``: the ids rank r says it asks of rank j for table t;
+    ``occurrences`` and ``bags`` (same layout): what a pooled lookup adds.
     Every rank holds the same rows, so every rank reaches the same verdict:
     all raise, or none does. Counts are checked before anything is sized
     from them: a peer never asks an owner for more ids than the owner has
@@ -193,6 +289,22 @@ def _meta_problem(rows: List[_Meta], counts: torch.Tensor, me: int, requests: Se
             r, j = (int(x) for x in bad.nonzero()[0])
             return (f"rank {r} announced {int(counts[t, r, j])} ids to look up on rank {j}, outside "
                     f"[0, {int(limit[r, j])}] (rank {j}'s rows): a bug or a version mismatch between ranks")
+        itemsize = torch.empty(0, dtype=req.weight_dtype).element_size()
+        for r, m in enumerate(rows):
+            path, weight_bytes, est_rows, est_pooled = m.pooled[t]
+            occ, bg, cnt = occurrences[t, r], bags[t, r], counts[t, r]
+            if path not in (0, 1) or (path and not m.tables[t][0]) or weight_bytes not in (0, itemsize) or \
+                    (weight_bytes and not path) or est_rows < 0 or est_pooled < 0:
+                return (f"rank {r} announced an impossible pooled lookup of table {t} (path {path}, weight bytes "
+                        f"{weight_bytes}): a bug or a version mismatch between ranks")
+            if path:
+                bad = (occ < cnt) | (occ > MAX_OCCURRENCES) | (bg < 0) | (bg > occ) | ((occ > 0) & (bg == 0))
+            else:
+                bad = (occ != 0) | (bg != 0)
+            if bool(bad.any()):
+                j = int(bad.nonzero()[0, 0])
+                return (f"rank {r} announced {int(occ[j])} id occurrences in {int(bg[j])} bags for {int(cnt[j])} "
+                        f"ids to pool on rank {j}: impossible (a bug or a version mismatch between ranks)")
     return None
 
 
@@ -213,17 +325,28 @@ def _ids_problem(requested: torch.Tensor, recv_counts: List[int], me: int, num_r
     return f"rank {src} asked rank {me} for id {bad}, {where}: a bug or a version mismatch between ranks"
 
 
+def _pooled_problem(part: PooledPart, unique: int, src: int, me: int) -> Optional[str]:
+    """Why this owner refuses what requester ``src`` sent for a pooled lookup, or None."""
+    pos, lengths = part.positions, part.lengths
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= unique):
+        return f"rank {src} sent rank {me} an occurrence position outside [0, {unique}) for a pooled lookup"
+    if lengths.numel() and int(lengths.min()) < 1:
+        return f"rank {src} sent rank {me} an empty bag for a pooled lookup"
+    if int(lengths.sum()) != pos.numel():
+        return f"rank {src} sent rank {me} bag lengths that do not add up to its {pos.numel()} occurrences"
+    return None
+
+
 def _by_peer(per_table: Sequence[Sequence[int]], n: int) -> List[int]:
     return [sum(c[j] for c in per_table) for j in range(n)]
 
 
-def _split_by_peer(flat: torch.Tensor, per_table: Sequence[Sequence[int]]) -> List[torch.Tensor]:
-    """Undo the peer-major packing of :func:`request_rows`' ids: one tensor per table, by source rank."""
+def _split_by_peer(flat: torch.Tensor, per_table: Sequence[Sequence[int]]) -> List[List[torch.Tensor]]:
+    """Undo the peer-major packing of :func:`request_rows`' messages: per table, one piece per source rank."""
     n = len(per_table[0]) if per_table else 0
     sizes = [per_table[t][j] for j in range(n) for t in range(len(per_table))]
     pieces = torch.split(flat, sizes) if sizes else []
-    return [torch.cat([pieces[j * len(per_table) + t] for j in range(n)]) if n else flat[:0]
-            for t in range(len(per_table))]
+    return [[pieces[j * len(per_table) + t] for j in range(n)] for t in range(len(per_table))]
 
 
 def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, message: str, round: int,
@@ -266,24 +389,34 @@ def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, 
     if group is None:
         if status != STATUS_OK:
             raise ValueError(message)
-        return Routes(send, send, [r.ids_by_owner.to(torch.int64) for r in requests],
-                      [r.present for r in requests], None)
+        return _local_routes(requests, send)
     me, n = world(group)
     dev = comm_device(group, requests[0].ids_by_owner.device)
-    per_table = 2 + FINGERPRINT_LEN + n
+    per_table = 2 + FINGERPRINT_LEN + n + _POOL_HEAD + 2 * n + 2
     head = _META_HEAD + len(requests) * per_table
     need = head + capacity
     row = [status, detail, round, capacity, len(requests), need]
+    zeros = [0] * n
     for r, counts in zip(requests, send):
-        row += [int(r.present), r.num_local, *r.fingerprint, *counts]
-    pieces = [torch.split(r.ids_by_owner.to(torch.int64), c) for r, c in zip(requests, send)]
+        pr = r.pooled
+        row += [int(r.present), r.num_local, *r.fingerprint, *counts,
+                int(pr is not None), pr.weight_bytes if pr is not None else 0,
+                *(pr.occurrences.tolist() if pr is not None else zeros),
+                *(pr.bags.tolist() if pr is not None else zeros), *r.estimates]
+    # Per table, per owner: the unique ids (int64), then a pooled lookup's extras (int64 words).
+    pieces = []
+    for r, c in zip(requests, send):
+        ids = torch.split(r.ids_by_owner.to(torch.int64), c)
+        pieces.append([torch.cat([ids[j], r.pooled.words[j].to(ids[j].device)]) if r.pooled is not None else ids[j]
+                       for j in range(n)])
     key = id(group)
     width = _MESSAGE_WIDTH.get(key, _META_HEAD)
     full = torch.zeros(n, max(need, width), dtype=torch.int64)
     full[:, :head] = torch.tensor(row, dtype=torch.int64)
-    for j in range(n):
-        mine = torch.cat([pieces[t][j] for t in range(len(requests))])[:capacity].cpu()
-        full[j, head:head + mine.numel()] = mine
+    if capacity:
+        for j in range(n):
+            mine = torch.cat([pieces[t][j] for t in range(len(requests))])[:capacity].cpu()
+            full[j, head:head + mine.numel()] = mine
     # Every rank sends ``width`` columns (known to all): its whole row when it fits, else only its header,
     # which says how many columns it needs; then every rank resends at the largest need.
     (recv_meta,) = all_to_all_rows([full[:, :width]], [1] * n, [1] * n, group, dev, stats)
@@ -308,33 +441,96 @@ def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, 
                              f"but rank {r} looks up {h[4]}: ranks must call the same tables in the same order; "
                              f"nothing was exchanged")
     blocks = recv_meta[:, _META_HEAD:head].reshape(n, len(requests), per_table)
+    fp_end = 2 + FINGERPRINT_LEN
+    pool_at = fp_end + n
     rows = [_Meta(h[0], h[1], h[2], h[3], h[4],
-                  tuple(tuple([b[0]] + b[2:2 + FINGERPRINT_LEN]) for b in tb),
-                  tuple(b[1] for b in tb))
-            for h, tb in zip(heads, blocks[:, :, :2 + FINGERPRINT_LEN].tolist())]
-    all_counts = blocks[:, :, 2 + FINGERPRINT_LEN:].permute(1, 0, 2)   # [table, rank, owner]
+                  tuple(tuple([b[0]] + b[2:fp_end]) for b in tb),
+                  tuple(b[1] for b in tb),
+                  tuple((b[pool_at], b[pool_at + 1], b[-2], b[-1]) for b in tb))
+            for h, tb in zip(heads, blocks.tolist())]
+    all_counts = blocks[:, :, fp_end:pool_at].permute(1, 0, 2)                     # [table, rank, owner]
+    occurrences = blocks[:, :, pool_at + 2:pool_at + 2 + n].permute(1, 0, 2)
+    bags = blocks[:, :, pool_at + 2 + n:pool_at + 2 + 2 * n].permute(1, 0, 2)
     if status != STATUS_OK:
         raise ValueError(message)  # a rank with a bad input of its own hears about its own
-    problem = _meta_problem(rows, all_counts, me, requests)
+    problem = _meta_problem(rows, all_counts, occurrences, bags, me, requests)
     if problem is not None:
         raise ValueError(f"sparsecomm sharded lookup: {problem}; nothing was exchanged")
+    # Only now (the counts passed the checks) is anything sized from a peer's numbers.
+    paths = [[m.pooled[t][0] for m in rows] for t in range(len(requests))]            # [table][rank]
+    weight_bytes = [[m.pooled[t][1] for m in rows] for t in range(len(requests))]
+    words = torch.zeros_like(all_counts)                                              # [table, rank, owner]
+    for t in range(len(requests)):
+        for r in range(n):
+            words[t, r] = all_counts[t, r]
+            if paths[t][r]:
+                words[t, r] += torch.tensor([pooled_words(int(o), int(b), weight_bytes[t][r])
+                                             for o, b in zip(occurrences[t, r].tolist(), bags[t, r].tolist())])
     recv = [all_counts[t, :, me].tolist() for t in range(len(requests))]
     present = [any(m.tables[t][0] for m in rows) for t in range(len(requests))]
-    per_pair = all_counts.sum(0)                                           # [rank, owner], all tables
+    per_pair = words.sum(0)                                                           # [rank, owner], all tables
     largest = int(per_pair.max()) if per_pair.numel() else 0
-    totals = _by_peer(recv, n)
+    recv_words = [words[t, :, me].tolist() for t in range(len(requests))]
+    send_words = [words[t, me, :].tolist() for t in range(len(requests))]
+    pooled_any = any(r.pooled is not None for r in requests) or any(any(p) for p in paths)
     if capacity and largest <= capacity:
-        got = torch.cat([recv_meta[r, head:head + c] for r, c in enumerate(totals)])
+        got = torch.cat([recv_meta[r, head:head + c] for r, c in enumerate(_by_peer(recv_words, n))])
+    elif pooled_any:
+        flat = torch.cat([pieces[t][j] for j in range(n) for t in range(len(requests))])
+        (got,) = all_to_all_rows([flat], _by_peer(send_words, n), _by_peer(recv_words, n), group, dev, stats)
     else:
         wire = wire_index_dtype(max(r.num_rows for r in requests))
         flat = torch.cat([pieces[t][j].to(wire) for j in range(n) for t in range(len(requests))])
-        (got,) = all_to_all_rows([flat], _by_peer(send, n), totals, group, dev, stats)
+        (got,) = all_to_all_rows([flat], _by_peer(send, n), _by_peer(recv, n), group, dev, stats)
     got = got.to(device=requests[0].ids_by_owner.device, dtype=torch.int64)
-    requested = _split_by_peer(got, recv)
-    problem = None
+    per_source = _split_by_peer(got, recv_words)          # [table][source rank]: ids, then pooled extras
+    requested, pooled_parts, problem = [], [], None
+    for t, r in enumerate(requests):
+        ids_t, parts_t = [], []
+        for src in range(n):
+            piece, count = per_source[t][src], recv[t][src]
+            ids_t.append(piece[:count])
+            part = None
+            if paths[t][src]:
+                occ, bg = int(occurrences[t, src, me]), int(bags[t, src, me])
+                extra = piece[count:]
+                wp, wl = words_for(occ, 4), words_for(bg, 4)
+                part = PooledPart(_unpack(extra[:wp], torch.int32, occ).to(torch.int64),
+                                  _unpack(extra[wp:wp + wl], torch.int32, bg).to(torch.int64),
+                                  _unpack(extra[wp + wl:], r.weight_dtype, occ) if weight_bytes[t][src] else None)
+                problem = problem or _pooled_problem(part, count, src, me)
+            parts_t.append(part)
+        requested.append(torch.cat(ids_t))
+        pooled_parts.append(parts_t)
     for r, ids, counts in zip(requests, requested, recv):
         problem = problem or _ids_problem(ids, counts, me, r.num_rows, r.owns)
-    return Routes(send, recv, requested, present, problem, largest)
+    rows_send = [[int(bags[t, me, j]) if paths[t][me] else send[t][j] for j in range(n)]
+                 for t in range(len(requests))]
+    rows_recv = [[int(bags[t, r, me]) if paths[t][r] else recv[t][r] for r in range(n)]
+                 for t in range(len(requests))]
+    estimates = [(sum(m.pooled[t][2] for m in rows), sum(m.pooled[t][3] for m in rows))
+                 for t in range(len(requests))]
+    return Routes(send, recv, requested, present, problem, largest, rows_send, rows_recv, pooled_parts, estimates)
+
+
+def _local_routes(requests: Sequence[TableRequest], send: List[List[int]]) -> Routes:
+    """A world of one: this rank asks itself (the same routes, no exchange)."""
+    parts, rows = [], []
+    for r, c in zip(requests, send):
+        if r.pooled is None:
+            parts.append([None])
+            rows.append(c)
+            continue
+        pr = r.pooled
+        occ, bg = int(pr.occurrences[0]), int(pr.bags[0])
+        wp, wl = words_for(occ, 4), words_for(bg, 4)
+        w = pr.words[0]
+        parts.append([PooledPart(_unpack(w[:wp], torch.int32, occ).to(torch.int64),
+                                 _unpack(w[wp:wp + wl], torch.int32, bg).to(torch.int64),
+                                 _unpack(w[wp + wl:], r.weight_dtype, occ) if pr.weight_bytes else None)])
+        rows.append([bg])
+    return Routes(send, send, [r.ids_by_owner.to(torch.int64) for r in requests], [r.present for r in requests],
+                  None, 0, rows, rows, parts, [tuple(r.estimates) for r in requests])
 
 
 def _exchange_blocks(blocks: List[torch.Tensor], send: Sequence[Sequence[int]], recv: Sequence[Sequence[int]],
@@ -355,14 +551,15 @@ def pull_rows(served: Sequence[torch.Tensor], routes: Routes, group: Optional[di
     """Owners send the rows they were asked for back to the requesters, every table in one all-to-all.
 
     Args:
-        served: per table, ``(sum(routes.recv[t]), d_t)`` rows this rank serves,
-            grouped by requester (zeros when ``routes.problem``: never used).
+        served: per table, ``(sum(routes.rows_recv[t]), d_t)`` rows this rank
+            serves (rows, or partial pooled bags), grouped by requester (zeros
+            when ``routes.problem``: never used).
         routes: from :func:`request_rows`.
         group: from :func:`sharded_group`; None: no peers.
         stats: counters to add the bytes moved to.
 
     Returns:
-        Per table, ``(sum(routes.send[t]), d_t)`` rows, grouped by owner.
+        Per table, ``(sum(routes.rows_send[t]), d_t)`` rows, grouped by owner.
 
     Raises:
         ValueError: on every rank when any owner refused the ids it was sent
@@ -376,7 +573,7 @@ def pull_rows(served: Sequence[torch.Tensor], routes: Routes, group: Optional[di
     me, n = world(group)
     verdict = torch.full((n, 1), int(routes.problem is not None), dtype=torch.int64, device=served[0].device)
     ones = [1] * n
-    got = _exchange_blocks([verdict, *served], [ones, *routes.recv], [ones, *routes.send], group, stats)
+    got = _exchange_blocks([verdict, *served], [ones, *routes.rows_recv], [ones, *routes.rows_send], group, stats)
     if routes.problem is not None:
         raise ValueError(f"sparsecomm sharded lookup: {routes.problem}; no rows were served")
     refused = got[0].view(-1).nonzero().view(-1).tolist()
@@ -390,14 +587,14 @@ def exchange_rows(rows: Sequence[torch.Tensor], routes: Routes, group: Optional[
                   stats: Optional[SparseSyncStats] = None) -> List[torch.Tensor]:
     """Push rows back along a round's routes (requester -> owner), every table in one all-to-all.
 
-    ``rows[t]`` holds ``routes.send[t][j]`` consecutive rows for owner j;
+    ``rows[t]`` holds ``routes.rows_send[t][j]`` consecutive rows for owner j;
     returns per table what arrives, by source rank. Both count lists come
     from the round's :func:`request_rows`, so they were validated before
     anything was sized from them.
     """
     if group is None:
         return list(rows)
-    return _exchange_blocks(list(rows), routes.send, routes.recv, group, stats)
+    return _exchange_blocks(list(rows), routes.rows_send, routes.rows_recv, group, stats)
 
 
 def allgather_table_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int,

@@ -38,7 +38,7 @@ from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import (STATUS_BAD_INPUT, STATUS_ID_RANGE, STATUS_OK,
                                                      allgather_table_rows, broadcast_int, sharded_group, world)
 from sparsecomm.sharded.layout import RowLayout
-from sparsecomm.sharded.lookup import Lookup, TableSet
+from sparsecomm.sharded.lookup import Bags, Lookup, TableSet
 from sparsecomm.types import PartitionScheme, SparseSyncStats
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "sharded_modules"]
@@ -198,16 +198,25 @@ class _ShardedTable(nn.Module):
         pos = int(torch.searchsorted(unique, torch.tensor([self.padding_idx], device=unique.device)).item())
         return pos if pos < unique.numel() and int(unique[pos]) == self.padding_idx else None
 
-    def _owner_gradient(self, slots: torch.Tensor, requested: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The sparse gradient of ``local_weight`` from the gradient rows peers pushed for ``requested`` ids."""
+    def _owner_gradient(self, slots: torch.Tensor, requested: torch.Tensor, rows: torch.Tensor,
+                        coalesced: bool = False) -> Optional[torch.Tensor]:
+        """The sparse gradient of ``local_weight`` from the gradient rows peers pushed for ``requested`` ids.
+
+        ``coalesced``: the slots are distinct and sorted. With a fused
+        optimizer attached, the gradient is applied here and now, and None is returned.
+        """
         if self.padding_idx is not None:
             # nn.Embedding's sparse gradient leaves the padding row out: it stays untouched by lazy optimizers too.
             keep = requested != self.padding_idx
             slots, rows = slots[keep], rows[keep]
         if self.grad_reduction == "mean" and self.layout.world_size > 1:
             rows = rows / self.layout.world_size
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is not None and getattr(opt, "fused", False):
+            opt.apply_rows(self.local_weight, slots, rows, coalesced=coalesced)
+            return None
         return torch.sparse_coo_tensor(slots.view(1, -1), rows, tuple(self.local_weight.shape),
-                                       check_invariants=False)
+                                       check_invariants=False, is_coalesced=coalesced or None)
 
     # ---------------------------------------------------------- bookkeeping
 
@@ -379,6 +388,16 @@ class ShardedEmbeddingBag(_ShardedTable):
         include_last_offset: as ``nn.EmbeddingBag``.
         padding_idx: as ``nn.EmbeddingBag``: excluded from its bag (and from
             the mean's count); the row never receives a gradient.
+        owner_pooling: who pools a ``"sum"``/``"mean"`` lookup.
+            ``"auto"`` (default): each round picks the path that moves fewer
+            bytes, from the previous round's estimates summed over the ranks
+            (the same choice on every rank; the first round takes rows);
+            ``"always"``: the owners pool the rows they hold and send one
+            partial bag per bag back (backward: one gradient row per bag);
+            ``"never"``: the owners send the batch's unique rows and the
+            requester pools them. ``"max"``, per-sample weights that require
+            grad, and a table looked up twice in one round always take rows.
+            ``stats.pooled_lookups`` / ``stats.row_lookups`` count each path.
         **kwargs: ``scheme``, ``group``, ``grad_reduction``, ``seed``,
             ``dtype``, ``device`` as :class:`ShardedEmbedding`.
     """
@@ -386,12 +405,16 @@ class ShardedEmbeddingBag(_ShardedTable):
     _kind = _KIND_BAG
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", *,
-                 include_last_offset: bool = False, padding_idx: Optional[int] = None, **kwargs) -> None:
+                 include_last_offset: bool = False, padding_idx: Optional[int] = None, owner_pooling: str = "auto",
+                 **kwargs) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
+        if owner_pooling not in ("auto", "always", "never"):
+            raise ValueError(f"owner_pooling must be 'auto', 'always' or 'never', got {owner_pooling!r}")
         super().__init__(num_embeddings, embedding_dim, padding_idx, **kwargs)
         self.mode = mode
         self.include_last_offset = include_last_offset
+        self.owner_pooling = owner_pooling
 
     def _check_bag_input(self, input, offsets, per_sample_weights) -> Optional[str]:
         # Everything F.embedding_bag would refuse after the exchange (on this
@@ -456,7 +479,25 @@ class ShardedEmbeddingBag(_ShardedTable):
                                    per_sample_weights=per_sample_weights,
                                    include_last_offset=self.include_last_offset, padding_idx=pad)
 
-        return self._set.submit(Lookup(self, flat, status, finish, (bags, self.embedding_dim)))
+        pooling = None
+        # torch's "mean" with a last offset short of the input divides the last bag by a count that includes the
+        # ids after it: such inputs take the rows path, which is torch's embedding_bag itself.
+        trailing = self.include_last_offset and offsets is not None and int(offsets[-1]) != flat.numel()
+        if status[0] == STATUS_OK and self.mode != "max" and self.owner_pooling != "never" and not trailing and \
+                (per_sample_weights is None or not (torch.is_grad_enabled() and per_sample_weights.requires_grad)):
+            pooling = Bags(bags, self.mode, self._bag_lengths(input, offsets, flat.numel()),
+                           per_sample_weights.reshape(-1).detach() if per_sample_weights is not None else None)
+        return self._set.submit(Lookup(self, flat, status, finish, (bags, self.embedding_dim), pooling))
+
+    def _bag_lengths(self, input: torch.Tensor, offsets: Optional[torch.Tensor], n: int) -> torch.Tensor:
+        """Ids per bag (the flat ids are the bags' ids one bag after the other)."""
+        device = self.local_weight.device
+        if input.dim() == 2:
+            return torch.full((input.shape[0],), input.shape[1], dtype=torch.int64, device=device)
+        offsets = offsets.to(torch.int64)
+        if self.include_last_offset:
+            return offsets[1:] - offsets[:-1]
+        return torch.diff(offsets, append=torch.tensor([n], dtype=torch.int64, device=device))
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"

@@ -34,17 +34,43 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from sparsecomm import ops
-from sparsecomm.collectives.sharded_exchange import (STATUS_OK, Routes, TableRequest, exchange_rows, pull_rows,
-                                                     request_rows, world)
+from sparsecomm.collectives.sharded_exchange import (STATUS_OK, PooledRequest, Routes, TableRequest, exchange_rows,
+                                                     pack_words, pull_rows, request_rows, world)
 from sparsecomm.types import SparseSyncStats
 
-__all__ = ["Lookup", "TableSet", "group_tables", "flush"]
+__all__ = ["Bags", "Lookup", "TableSet", "group_tables", "flush"]
 
 # Beyond this many ids per owner, a second all-to-all costs less than the padding could.
 _MAX_CAPACITY = 1 << 16
+
+
+class Bags:
+    """How a bag lookup's ids form bags, for owner-side pooling (sum or mean).
+
+    Attributes:
+        num_bags: bags in the result.
+        mode: ``"sum"`` or ``"mean"``.
+        lengths: ``(num_bags,)`` int64 ids per bag (consecutive in the flat
+            ids; ids after the last bag belong to none).
+        weights: ``(n,)`` per-sample weights (not requiring grad), or None.
+    """
+
+    __slots__ = ("num_bags", "mode", "lengths", "weights")
+
+    def __init__(self, num_bags: int, mode: str, lengths: torch.Tensor, weights: Optional[torch.Tensor]) -> None:
+        self.num_bags, self.mode, self.lengths, self.weights = num_bags, mode, lengths, weights
+
+    def bag_of(self, n: int) -> torch.Tensor:
+        """``(n,)`` int64: each flat id's bag, -1 for ids in no bag."""
+        lengths = self.lengths
+        inside = torch.repeat_interleave(torch.arange(self.num_bags, device=lengths.device), lengths)
+        if inside.numel() == n:
+            return inside
+        return torch.cat([inside, inside.new_full((n - inside.numel(),), -1)])
 
 
 class Lookup:
@@ -58,14 +84,17 @@ class Lookup:
             unique rows of the table in this round, ``inverse`` each id's
             position among them, ``pad`` the padding row's position or None.
         shape: the result's shape (known before the round runs).
+        bags: for a bag lookup that owners may pool (sum/mean, weights
+            without gradient): its :class:`Bags`; else None.
     """
 
-    __slots__ = ("table", "ids", "status", "finish", "shape", "grad_enabled", "result")
+    __slots__ = ("table", "ids", "status", "finish", "shape", "grad_enabled", "result", "bags")
 
     def __init__(self, table, ids: torch.Tensor, status: Tuple[int, int, str],
                  finish: Callable[[torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor],
-                 shape: Tuple[int, ...]) -> None:
+                 shape: Tuple[int, ...], bags: Optional[Bags] = None) -> None:
         self.table, self.ids, self.status, self.finish, self.shape = table, ids, status, finish, tuple(shape)
+        self.bags = bags
         self.grad_enabled = torch.is_grad_enabled()
         self.result: Optional[torch.Tensor] = None
 
@@ -125,14 +154,26 @@ def resolve(tree: Any) -> Any:
 
 
 class _Table:
-    """What a round keeps of one table: its unique ids, their owners, and the routes' slots."""
+    """What a round keeps of one table.
 
-    __slots__ = ("unique", "part", "inverses", "pad", "slots")
+    As requester: its unique ids, their owners, each lookup's inverse, and
+    for a pooled lookup the bag of every partial row it gets back. As owner:
+    the slots whose gradient rows it receives (``grad_slots``, their ids
+    ``grad_ids``); when some requester pooled, those are the distinct slots and
+    every occurrence adds gradient row ``grad_rows[i]`` (times ``grad_scale[i]``)
+    into slot ``grad_targets[i]``.
+    """
+
+    __slots__ = ("unique", "part", "inverses", "pad", "pooled", "bag_rows", "bag_counts", "bags",
+                 "grad_slots", "grad_ids", "grad_targets", "grad_rows", "grad_scale")
 
     def __init__(self) -> None:
-        self.unique = self.part = self.slots = None
+        self.unique = self.part = None
         self.inverses: List[torch.Tensor] = []
         self.pad: Optional[int] = None
+        self.pooled = False
+        self.bag_rows = self.bag_counts = self.bags = None
+        self.grad_slots = self.grad_ids = self.grad_targets = self.grad_rows = self.grad_scale = None
 
 
 class _Round(torch.autograd.Function):
@@ -181,6 +222,9 @@ class TableSet:
         # round): the last round's largest count + 1/8 + 8, the same on every rank; 0 before the first round.
         self.capacity = 0
         self._open: List[Lookup] = []
+        # Per bag table with owner_pooling="auto": whether its next lookup is pooled at the owners, decided
+        # from the last round's byte estimates summed over the ranks (so the same on every rank).
+        self._pool_next: Dict[int, bool] = {}
 
     def submit(self, lookup: Lookup) -> torch.Tensor:
         """Add a lookup to the open round; its result, or a placeholder when the set is lazy."""
@@ -209,21 +253,37 @@ class TableSet:
             seen[i] = nth + 1
             info = tables[i]
             with torch.set_grad_enabled(lk.grad_enabled):
-                lk.result = lk.finish(rows[i], info.inverses[nth], info.pad)
+                lk.result = _pool(rows[i], info) if info.pooled else lk.finish(rows[i], info.inverses[nth], info.pad)
 
     # ------------------------------------------------------------ the round
+
+    def _pooling(self, t: Any, ids: List[Lookup], ok: bool) -> Optional[Lookup]:
+        """The lookup to pool at its owners this round, or None (rows path)."""
+        if not ok or len(ids) != 1 or ids[0].bags is None:
+            return None
+        choice = getattr(t, "owner_pooling", "never")
+        if choice == "always" or (choice == "auto" and self._pool_next.get(id(t), False)):
+            return ids[0]
+        return None
 
     def _pull(self, state: Dict[str, Any]) -> Tuple[List[torch.Tensor], Routes, List[_Table]]:
         lookups: List[Lookup] = state["lookups"]
         status = state["status"]
         ok = status[0] == STATUS_OK
-        ids_of: List[List[torch.Tensor]] = [[] for _ in self.tables]
+        of_table: List[List[Lookup]] = [[] for _ in self.tables]
         for lk in lookups:
-            ids_of[self._index[id(lk.table)]].append(lk.ids)
+            of_table[self._index[id(lk.table)]].append(lk)
         tables = [_Table() for _ in self.tables]
         requests = []
-        for t, info, ids in zip(self.tables, tables, ids_of):
+        me, n = world(self.group)
+        for t, info, lks in zip(self.tables, tables, of_table):
             device = t.local_weight.device
+            pooled = self._pooling(t, lks, ok)
+            if pooled is not None:
+                requests.append(self._pooled_request(t, info, pooled, me, n))
+                t.stats.pooled_lookups += 1
+                continue
+            ids = [lk.ids for lk in lks]
             flat = torch.cat(ids) if ids and ok else torch.empty(0, dtype=torch.int64, device=device)
             info.unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
             info.inverses = list(torch.split(inverse, [x.numel() for x in ids])) if ids and ok else \
@@ -231,45 +291,177 @@ class TableSet:
             info.pad = t._padding_position(info.unique)
             info.part = t.layout.partition(info.unique)
             t.stats.rows_in += int(flat.numel())
+            t.stats.row_lookups += len(lks)
+            estimates = (0, 0)
+            if ok and len(lks) == 1 and lks[0].bags is not None and getattr(t, "owner_pooling", "never") == "auto":
+                estimates = _estimates(t, info, inverse, lks[0].bags, me)
             requests.append(TableRequest(info.part.ids, info.part.counts, t.fingerprint(), t.num_embeddings,
-                                         t.layout.num_local, bool(ids), t.layout.owns))
+                                         t.layout.num_local, bool(lks), t.layout.owns,
+                                         weight_dtype=t.local_weight.dtype, estimates=estimates))
         routes = request_rows(requests, status=status[0], detail=status[1], message=status[2],
                               round=self.rounds, group=self.group, stats=self.stats, capacity=self.capacity)
         self.rounds += 1
         self.capacity = min(_MAX_CAPACITY, routes.largest + routes.largest // 8 + 8)
-        served = []
-        for t, info, requested in zip(self.tables, tables, routes.requested):
-            weight = t.local_weight.detach()
-            if routes.problem is None:
-                info.slots = t.layout.slots(requested).to(weight.device)
-                served.append(ops.gather_rows(weight, info.slots))
-            else:  # a peer sent ids this rank does not own: serve nothing, every rank raises in pull_rows
-                info.slots = torch.empty(0, dtype=torch.int64, device=weight.device)
-                served.append(weight.new_zeros(requested.shape[0], t.embedding_dim))
+        for t, (rows_bytes, pooled_bytes) in zip(self.tables, routes.estimates):
+            if rows_bytes or pooled_bytes:  # the same sums on every rank: the same choice everywhere
+                self._pool_next[id(t)] = pooled_bytes < rows_bytes
+        served = [self._serve(t, i, info, requested, parts, routes)
+                  for i, (t, info, requested, parts) in enumerate(zip(self.tables, tables, routes.requested,
+                                                                      routes.pooled))]
         got = pull_rows(served, routes, self.group, self.stats)
-        rows = [torch.empty_like(g).index_copy_(0, info.part.perm, g) for g, info in zip(got, tables)]
+        rows = [g if info.pooled else torch.empty_like(g).index_copy_(0, info.part.perm, g)
+                for g, info in zip(got, tables)]
         state["tables"] = tables
         return rows, routes, tables
+
+    def _pooled_request(self, t: Any, info: _Table, lk: Lookup, me: int, n: int) -> TableRequest:
+        """A pooled lookup's request: unique ids by owner, and per owner each occurrence's position and bag."""
+        bags = lk.bags
+        flat = lk.ids
+        bag_of = bags.bag_of(flat.numel())
+        weights = bags.weights
+        keep = bag_of >= 0
+        if t.padding_idx is not None:
+            keep &= flat != t.padding_idx
+        if not bool(keep.all()):
+            flat, bag_of = flat[keep], bag_of[keep]
+            weights = weights[keep] if weights is not None else None
+        t.stats.rows_in += int(flat.numel())
+        info.pooled, info.bags = True, bags
+        info.bag_counts = torch.bincount(bag_of, minlength=bags.num_bags)[:bags.num_bags] if bags.mode == "mean" \
+            else None
+        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        part = t.layout.partition(unique)
+        info.unique, info.part = unique, part
+        u = unique.numel()
+        # Each unique id's position among its owner's ids (what the owner will index), in sorted-id order.
+        starts = torch.cumsum(part.counts, 0) - part.counts
+        owner_sorted = torch.repeat_interleave(torch.arange(n, device=flat.device), part.counts)
+        local = torch.empty(u, dtype=torch.int64, device=flat.device)
+        local[part.perm] = torch.arange(u, device=flat.device) - starts[owner_sorted]
+        # Occurrences grouped by owner, bag order kept inside an owner (the partition is stable).
+        occ = t.layout.partition(flat)
+        order = occ.perm
+        positions = local[inverse[order]].to(torch.int32)
+        bag_occ = bag_of[order]
+        owner_occ = torch.repeat_interleave(torch.arange(n, device=flat.device), occ.counts)
+        nb = max(bags.num_bags, 1)
+        keys, lengths = torch.unique_consecutive(owner_occ * nb + bag_occ, return_counts=True)
+        info.bag_rows = keys % nb
+        bag_counts = torch.bincount(keys // nb, minlength=n)
+        w = weights[order] if weights is not None else None
+        pos_split = torch.split(positions, occ.counts.tolist())
+        len_split = torch.split(lengths.to(torch.int32), bag_counts.tolist())
+        w_split = torch.split(w, occ.counts.tolist()) if w is not None else [None] * n
+        words = [pack_words(p, ln, *([x] if x is not None else [])) for p, ln, x in zip(pos_split, len_split, w_split)]
+        weight_bytes = t.local_weight.element_size() if w is not None else 0
+        estimates = _pooled_estimates(t, part.counts, occ.counts, bag_counts, weight_bytes, me)
+        return TableRequest(part.ids, part.counts, t.fingerprint(), t.num_embeddings, t.layout.num_local, True,
+                            t.layout.owns, PooledRequest(occ.counts, bag_counts, words, weight_bytes),
+                            t.local_weight.dtype, estimates)
+
+    def _serve(self, t: Any, i: int, info: _Table, requested: torch.Tensor, parts: List[Any], routes: Routes
+               ) -> torch.Tensor:
+        """The rows (or partial pooled bags) this owner sends back for table ``i``, grouped by requester."""
+        weight = t.local_weight.detach()
+        if routes.problem is not None:  # a peer sent ids this rank does not own: serve nothing, all raise in pull
+            return weight.new_zeros(sum(routes.rows_recv[i]), t.embedding_dim)
+        slots = t.layout.slots(requested).to(weight.device)
+        info.grad_slots, info.grad_ids = slots, requested
+        if all(p is None for p in parts):
+            return ops.gather_rows(weight, slots)
+        # Some requesters pool: per requester, its rows, or one partial bag per bag it sent. Backward adds
+        # each gradient row (times the weight) into the coalesced gradient of the distinct slots asked for.
+        info.grad_slots, where = torch.unique(slots, sorted=True, return_inverse=True)
+        info.grad_ids = torch.empty_like(info.grad_slots).index_copy_(0, where, requested)
+        pieces, targets, sources, scales = [], [], [], []
+        start = base = 0
+        any_weights = any(p is not None and p.weights is not None for p in parts)
+        for p, count in zip(parts, routes.recv[i]):
+            s_slots, s_where = slots[start:start + count], where[start:start + count]
+            start += count
+            if p is None:
+                pieces.append(ops.gather_rows(weight, s_slots))
+                targets.append(s_where)
+                sources.append(torch.arange(base, base + count, device=weight.device))
+                scales.append(weight.new_ones(count) if any_weights else None)
+                base += count
+                continue
+            bags = p.lengths.numel()
+            pieces.append(F.embedding_bag(s_slots[p.positions], weight, torch.cumsum(p.lengths, 0) - p.lengths,
+                                          mode="sum", per_sample_weights=p.weights))
+            targets.append(s_where[p.positions])
+            sources.append(base + torch.repeat_interleave(torch.arange(bags, device=weight.device), p.lengths))
+            scales.append((p.weights if p.weights is not None else weight.new_ones(p.positions.numel()))
+                          if any_weights else None)
+            base += bags
+        info.grad_targets, info.grad_rows = torch.cat(targets), torch.cat(sources)
+        info.grad_scale = torch.cat(scales) if any_weights else None
+        return torch.cat(pieces)
 
     def _push(self, routes: Routes, tables: List[_Table], grads: Sequence[Optional[torch.Tensor]]
               ) -> List[Optional[torch.Tensor]]:
         # Which tables get a gradient is the same on every rank: looked up by some rank, and trainable.
         pushing = [p and t.local_weight.requires_grad for p, t in zip(routes.present, self.tables)]
         n = len(routes.send[0])
-        send = [s if p else [0] * n for s, p in zip(routes.send, pushing)]
-        recv = [r if p else [0] * n for r, p in zip(routes.recv, pushing)]
+        send = [s if p else [0] * n for s, p in zip(routes.rows_send, pushing)]
+        recv = [r if p else [0] * n for r, p in zip(routes.rows_recv, pushing)]
         rows = []
-        for t, info, g, p in zip(self.tables, tables, grads, pushing):
+        for t, info, g, p, count in zip(self.tables, tables, grads, pushing, send):
             if not p:
                 rows.append(t.local_weight.new_empty(0, t.embedding_dim))
                 continue
             if g is None:  # looked up, but its result got no gradient this time
-                g = t.local_weight.new_zeros(info.unique.numel(), t.embedding_dim)
-            rows.append(g.contiguous().index_select(0, info.part.perm))
-        got = exchange_rows(rows, Routes(send, recv, routes.requested, routes.present, None), self.group,
+                g = t.local_weight.new_zeros(sum(count), t.embedding_dim)
+            # Pooled: one gradient row per partial bag, already grouped by owner.
+            rows.append(g.contiguous() if info.pooled else ops.gather_rows(g.contiguous(), info.part.perm))
+        got = exchange_rows(rows, routes._replace(rows_send=send, rows_recv=recv, problem=None), self.group,
                             self.stats)
-        return [t._owner_gradient(info.slots, requested, g) if p else None
-                for t, info, requested, g, p in zip(self.tables, tables, routes.requested, got, pushing)]
+        out = []
+        for t, info, g, p in zip(self.tables, tables, got, pushing):
+            if not p:
+                out.append(None)
+                continue
+            coalesced = info.grad_rows is not None
+            if coalesced:  # pooled requesters: each occurrence adds its bag's gradient to its row's
+                g = ops.gather_rows(g, info.grad_rows)
+                if info.grad_scale is not None:
+                    g.mul_(info.grad_scale.unsqueeze(1))
+                with torch.no_grad():
+                    g = ops.scatter_add_rows(g.new_zeros(info.grad_slots.numel(), g.shape[1]), info.grad_targets, g)
+            out.append(t._owner_gradient(info.grad_slots, info.grad_ids, g, coalesced=coalesced))
+        return out
+
+
+def _pool(partials: torch.Tensor, info: _Table) -> torch.Tensor:
+    """A pooled lookup's result: the owners' partial bags added up per bag (divided by the count for "mean")."""
+    bags = info.bags
+    out = partials.new_zeros(bags.num_bags, partials.shape[1]).index_add(0, info.bag_rows, partials)
+    if bags.mode == "mean":
+        out = out / info.bag_counts.clamp(min=1).to(out.dtype).unsqueeze(1)
+    return out
+
+
+def _estimates(t: Any, info: _Table, inverse: torch.Tensor, bags: Bags, me: int) -> Tuple[int, int]:
+    """Wire bytes of this rank's lookup by rows and (estimated: a bag per occurrence, at most) pooled."""
+    counts = info.part.counts
+    multiplicity = torch.bincount(inverse, minlength=info.unique.numel())[info.part.perm]
+    occurrences = torch.stack([x.sum() for x in torch.split(multiplicity, counts.tolist())]) if counts.numel() \
+        else counts
+    bag_counts = occurrences.clamp(max=bags.num_bags)
+    weight_bytes = t.local_weight.element_size() if bags.weights is not None else 0
+    return _pooled_estimates(t, counts, occurrences, bag_counts, weight_bytes, me)
+
+
+def _pooled_estimates(t: Any, counts: torch.Tensor, occurrences: torch.Tensor, bag_counts: torch.Tensor,
+                      weight_bytes: int, me: int) -> Tuple[int, int]:
+    """``(rows path, pooled path)`` bytes this rank sends and receives for one lookup (forward + backward)."""
+    row = t.embedding_dim * t.local_weight.element_size()
+    others = torch.ones_like(counts, dtype=torch.bool)
+    if others.numel() > me:
+        others[me] = False
+    u, o, b = (int(x[others].sum()) for x in (counts, occurrences, bag_counts))
+    return u * (8 + 2 * row), u * 8 + o * (4 + weight_bytes) + b * (4 + 2 * row)
 
 
 def group_tables(model: nn.Module, tables: Optional[Sequence[Any]] = None) -> TableSet:

@@ -8,6 +8,15 @@ it, ``zero_grad()`` clears it. Only rows with a gradient change, and only
 their optimizer state changes (like ``torch.optim.SparseAdam``); the state is
 row-aligned with the shard, so it lives on the owner only and reshards with it.
 
+With ``fused=True`` (like TorchRec's fused optimizers) the update happens in
+backward instead: the owner applies the rule to the rows' gradient as soon as
+its table's gradient exchange delivers it, with no ``local_weight.grad`` and
+no pass in ``step()`` (which then does nothing for those tables). Each
+backward through a lookup round is one update, so with one round per step
+(the usual case, and always under ``group_tables``/``parallelize``) it trains
+exactly as the unfused optimizer; gradient accumulation over several backward
+passes is not available fused.
+
 These are ``torch.optim.Optimizer`` subclasses: ``param_groups[i]["lr"]`` is
 the learning rate, so torch's LR schedulers drive them, and
 ``state_dict()``/``load_state_dict()`` work (for the same world size; the
@@ -84,12 +93,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         params: a model (every sharded table in it), tables, their
             ``local_weight`` tensors, or param-group dicts of those.
         defaults: hyperparameters, as ``torch.optim.Optimizer``.
+        fused: update in backward, as the gradient arrives (see the module docstring).
     """
 
     #: Names of the row-aligned state tensors (resharded with the rows).
     row_state_names: Tuple[str, ...] = ()
 
-    def __init__(self, params: ParamsT, defaults: Dict[str, Any]) -> None:
+    def __init__(self, params: ParamsT, defaults: Dict[str, Any], fused: bool = False) -> None:
+        self.fused = bool(fused)
         # Strong references: the tables live as long as their optimizer does.
         self._tables: Dict[int, _ShardedTable] = {}
         if isinstance(params, nn.Module):
@@ -118,6 +129,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _update(self, group: Dict[str, Any], p: torch.Tensor, state: Dict[str, Any], slots: torch.Tensor,
                 grad: torch.Tensor) -> None:
         raise NotImplementedError
+
+    @torch.no_grad()
+    def apply_rows(self, p: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, coalesced: bool = False) -> None:
+        """Update ``p`` (a table's ``local_weight``) now with gradient ``rows`` at ``slots`` (repeats add up;
+        ``coalesced``: the slots are already distinct and sorted).
+
+        What a fused optimizer does when the table's backward delivers its
+        gradient; the same rule and step count as :meth:`step`.
+        """
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        state = self.state[p]
+        state["step"] += 1
+        if slots.numel() == 0:
+            return
+        if not coalesced:
+            slots, rows = ops.coalesce_rows(slots.contiguous(), rows.contiguous(), p.shape[0])
+        self._update(group, p, state, slots, rows)
 
     def tables(self) -> List[_ShardedTable]:
         """The sharded tables this optimizer updates, in param-group order."""
@@ -204,12 +232,13 @@ class ShardedSGD(ShardedOptimizer):
     Args:
         params: see :class:`ShardedOptimizer`.
         lr: learning rate.
+        fused: update in backward (see the module docstring).
     """
 
-    def __init__(self, params: ParamsT, lr: float = 1e-3) -> None:
+    def __init__(self, params: ParamsT, lr: float = 1e-3, fused: bool = False) -> None:
         if lr < 0:
             raise ValueError(f"invalid learning rate {lr}")
-        super().__init__(params, dict(lr=lr))
+        super().__init__(params, dict(lr=lr), fused)
 
     def _update(self, group, p, state, slots, grad):
         _add_rows(p, slots, grad * -group["lr"])
@@ -223,17 +252,18 @@ class ShardedAdagrad(ShardedOptimizer):
         lr, lr_decay, eps, initial_accumulator_value: as ``torch.optim.Adagrad``.
         rowwise: one accumulator per row (mean of the squared gradient over
             the row) instead of one per element: ``d`` times less state.
+        fused: update in backward (see the module docstring).
     """
 
     def __init__(self, params: ParamsT, lr: float = 1e-2, lr_decay: float = 0.0, eps: float = 1e-10,
-                 initial_accumulator_value: float = 0.0, rowwise: bool = False) -> None:
+                 initial_accumulator_value: float = 0.0, rowwise: bool = False, fused: bool = False) -> None:
         for name, v in (("lr", lr), ("lr_decay", lr_decay), ("eps", eps),
                         ("initial_accumulator_value", initial_accumulator_value)):
             if v < 0:
                 raise ValueError(f"invalid {name} {v}")
         self.rowwise = rowwise
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, eps=eps,
-                                      initial_accumulator_value=initial_accumulator_value))
+                                      initial_accumulator_value=initial_accumulator_value), fused)
 
     row_state_names = ("sum",)
 
@@ -263,17 +293,18 @@ class ShardedAdam(ShardedOptimizer):
     Args:
         params: see :class:`ShardedOptimizer`.
         lr, betas, eps: as ``torch.optim.SparseAdam``.
+        fused: update in backward (see the module docstring).
     """
 
     row_state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8) -> None:
+                 eps: float = 1e-8, fused: bool = False) -> None:
         if lr < 0 or eps < 0:
             raise ValueError(f"invalid lr {lr} or eps {eps}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"invalid betas {betas}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps), fused)
 
     def _init_state(self, p, group):
         return {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
