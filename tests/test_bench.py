@@ -250,13 +250,15 @@ def test_skipped_rows_do_not_count_as_wrong():
     from sparsecomm.bench.harness import Row
     from sparsecomm.bench.launch import _exit_status
 
-    a = Namespace(rows=100, dim=4, batch=8, pooling=2, skipped={"torchrec": sharded.TORCHREC_MISSING})
+    a = Namespace(rows=100, dim=4, batch=8, pooling=2, alpha=1.1, skipped={"torchrec": sharded.TORCHREC_MISSING})
     ref = Namespace(rows0=list(range(30)))
-    per_rank = {"sparsecomm_hash": dict(time=0.002, wrong=0, error=None, memory=1000, rows=50, wire=10.0),
-                "ddp_replicated": dict(time=0.004, wrong=0, error=None, memory=2000, rows=100, wire=None)}
+    per_rank = {"sparsecomm_hash": dict(time=0.002, wrong=0, error=None, memory=1000, rows=50, wire=10.0, pooled=0.5),
+                "ddp_replicated": dict(time=0.004, wrong=0, error=None, memory=2000, rows=100, wire=None,
+                                       pooled=None)}
     rows = sharded._rows(a, 2, list(per_rank), [per_rank, per_rank], ref)
     assert [r.cols["method"] for r in rows] == ["sparsecomm_hash", "ddp_replicated", "torchrec"]
     assert rows[0].cols["vs_best_peer"] == pytest.approx(2.0) and rows[0].cols["vs_torchrec"] == ""
+    assert rows[0].cols["pooled"] == 0.5 and rows[1].cols["pooled"] == "" and rows[0].cols["alpha"] == 1.1
     assert "not installed" in rows[2].cols["skipped"] and "#wrong" not in rows[2].cols
     assert _exit_status(rows) == 0
     assert _exit_status(rows + [Row({"method": "x", "#wrong": 3})]) == EXIT_WRONG

@@ -7,7 +7,9 @@ and updates the table. One *step* (timed) = lookup + backward + update, the
 same table, batch and optimizer for every method, interleaved per round so
 machine noise hits all alike:
 
-  sparsecomm_hash   ``ShardedEmbeddingBag(scheme="hash")`` + ``ShardedAdagrad(rowwise=True)``
+  sparsecomm_hash   ``ShardedEmbeddingBag(scheme="hash", owner_pooling=--owner-pooling)`` +
+                    ``ShardedAdagrad(rowwise=True, fused=--fused)`` (defaults: "auto", fused: updated
+                    in backward, as TorchRec's fused optimizer)
   sparsecomm_range  the same with ``scheme="range"`` (contiguous blocks, like TorchRec's row-wise)
   torchrec          TorchRec ``EmbeddingBagCollection`` sharded row-wise by
                     ``DistributedModelParallel`` with fbgemm's fused CPU kernel and fused
@@ -26,7 +28,16 @@ optimizer does; ``grad_reduction="sum"`` on the sharded table). DDP averages.
 and (hash) its ownership map, counted from the tensors; ``floor_MB`` is V/N
 rows of values + one row-wise accumulator each. ``wire_MB`` is what
 sparsecomm's exchanges moved per step and rank (sent + received, from the
-table's ``stats``).
+table's ``stats``); ``pooled`` the share of its lookups the owners pooled.
+TorchRec does not count its bytes: ``torchrec_MB`` is what its row-wise
+design moves per step and rank (sent + received), from its messages: the
+ids (int64) and bag lengths (int32) all-to-all, the partial pooled bags'
+reduce-scatter and, in backward, their gradients' all-gather:
+``2 * ((N-1)/N * n * 8 + (N-1) * B * 4 + 2 * (N-1) * B * d * 4)`` bytes for
+``n`` ids in ``B`` bags per rank.
+
+``--alpha`` and ``--pooling`` take comma-separated lists: every combination
+runs in the same launch (one table per combination, rows labelled).
 
 The default table shows per method ``step_ms``, ``vs_best_peer`` (the
 fastest of torchrec / ddp_replicated over this method's time),
@@ -44,6 +55,7 @@ own rule (row-wise/sum, or element-wise/mean for DDP).
 Examples::
 
     python -m sparsecomm.bench sharded --nproc 2,4
+    python -m sparsecomm.bench sharded --nproc 2,4 --alpha 1.05,1.1,1.2 --pooling 1,8,20
     torchrun --nproc-per-node 4 -m sparsecomm.bench sharded --rows 4000000
 """
 
@@ -71,13 +83,17 @@ PEERS = ("torchrec", "ddp_replicated")
 TOL = 1e-4
 TORCHREC_MISSING = ("TorchRec is not installed (pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0, "
                     "see benchmarks/RESULTS.md)")
-COMPACT_COLS = ("world", "method", "step_ms", "vs_best_peer", "vs_torchrec", "MB_per_rank", "floor_MB", "#wrong")
+COMPACT_COLS = ("world", "alpha", "bag", "method", "step_ms", "vs_torchrec", "MB_per_rank", "wire_MB", "torchrec_MB",
+                "pooled", "#wrong")
 LEGEND = {
     "step_ms": "median ms per training step (lookup + backward + update), median over ranks",
     "vs_best_peer": "step time of the fastest of torchrec / ddp_replicated over this method's (> 1: faster)",
     "vs_torchrec": "TorchRec's step time over this method's (> 1: faster)",
     "MB_per_rank": "what a rank holds for the table: rows + optimizer state (+ the hash ownership map)",
     "floor_MB": "V/N rows + one row-wise accumulator each",
+    "wire_MB": "bytes sparsecomm's all-to-alls moved per step and rank (sent + received)",
+    "torchrec_MB": "what TorchRec's row-wise design moves per step and rank (from its messages; not counted by it)",
+    "pooled": "share of sparsecomm's lookups pooled at the owners (the rest sent unique rows)",
     "#wrong": "elements off a float64 simulation of the training (0: correct; a non-zero count exits 3)",
     "skipped": "a peer left out, and why (not counted as wrong: the exit status stays 0)",
 }
@@ -164,6 +180,9 @@ class Method:
     def wire_bytes(self) -> Optional[float]:
         return None
 
+    def pooled_share(self) -> Optional[float]:
+        return None
+
     def local_rows(self) -> int:
         raise NotImplementedError
 
@@ -171,8 +190,8 @@ class Method:
 class Sparsecomm(Method):
     def __init__(self, a, table, ids, w, scheme: str) -> None:
         self.emb = ShardedEmbeddingBag(a.rows, a.dim, mode="sum", scheme=scheme, grad_reduction="sum",
-                                       _weight=table, seed=0)
-        self.opt = ShardedAdagrad(self.emb, lr=a.lr, eps=a.eps, rowwise=True)
+                                       owner_pooling=a.owner_pooling, _weight=table, seed=0)
+        self.opt = ShardedAdagrad(self.emb, lr=a.lr, eps=a.eps, rowwise=True, fused=bool(a.fused))
         self.ids, self.w = ids, w
         self.steps = 0
 
@@ -190,6 +209,10 @@ class Sparsecomm(Method):
     def wire_bytes(self) -> Optional[float]:
         s = self.emb.stats
         return (s.bytes_sent + s.bytes_recv) / max(1, self.steps)
+
+    def pooled_share(self) -> Optional[float]:
+        s = self.emb.stats
+        return s.pooled_lookups / max(1, s.pooled_lookups + s.row_lookups)
 
     def local_rows(self) -> int:
         return self.emb.layout.num_local
@@ -320,11 +343,20 @@ def _run_method(name: str, a, table, ids, w, ref: Reference) -> Dict[str, Any]:
 
 
 def body(a: argparse.Namespace) -> List[Row]:
-    n, me = dist.get_world_size(), dist.get_rank()
     if a.device != "cpu":
         raise SystemExit("sharded: CPU only (gloo), as TorchRec's CPU kernels")
     # torch.optim.Adagrad (ddp_replicated) warns on every sparse step that invariant checks are off: noise here.
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+    rows: List[Row] = []
+    for alpha in a.alphas:
+        for pooling in a.poolings:
+            rows += _body_one(argparse.Namespace(**{**vars(a), "alpha": alpha, "pooling": pooling}))
+    return rows
+
+
+def _body_one(a: argparse.Namespace) -> List[Row]:
+    """One workload (one Zipf exponent and bag size): build, check and time every method."""
+    n, me = dist.get_world_size(), dist.get_rank()
     names = [m for m in a.methods.split(",") if m]
     table = initial_table(a)
     ids, w = batch_of(a, me)
@@ -351,7 +383,8 @@ def body(a: argparse.Namespace) -> List[Row]:
     watch = Stopwatch("cpu")
     t0 = time.monotonic()
     if me == 0:
-        progress(f"sharded world {n}: timing {len(live)} methods x {a.iters} rounds ...")
+        progress(f"sharded world {n} zipf({a.alpha:g}) bags of {a.pooling}: timing {len(live)} methods x "
+                 f"{a.iters} rounds ...")
     for it in range(a.iters):
         order = live[it % len(live):] + live[:it % len(live)] if live else []  # rotate: no favoured slot
         for name in order:
@@ -365,12 +398,20 @@ def body(a: argparse.Namespace) -> List[Row]:
         m = r.get("method")
         mine[name] = dict(time=statistics.median(times[name]) if times.get(name) else None,
                           wrong=r.get("wrong"), error=r.get("error"), memory=r.get("memory"), rows=r.get("rows"),
-                          wire=m.wire_bytes() if m is not None else None)
+                          wire=m.wire_bytes() if m is not None else None,
+                          pooled=m.pooled_share() if m is not None else None)
     everyone: List[Any] = [None] * n
     dist.all_gather_object(everyone, mine)
     if me == 0:
         progress(f"sharded world {n}: timed in {time.monotonic() - t0:.1f} s")
     return _rows(a, n, names, everyone, ref) if me == 0 else []
+
+
+def torchrec_bytes(a: argparse.Namespace, n: int) -> float:
+    """Bytes TorchRec's row-wise sharding moves per step and rank, sent + received (see the module docstring)."""
+    ids, bags = a.batch * a.pooling, a.batch
+    one_way = (n - 1) / n * ids * 8 + (n - 1) * bags * 4 + 2 * (n - 1) * bags * a.dim * 4
+    return 2 * one_way
 
 
 def _rows(a, n: int, names: Sequence[str], everyone: Sequence[Dict[str, Any]], ref: Reference) -> List[Row]:
@@ -381,8 +422,8 @@ def _rows(a, n: int, names: Sequence[str], everyone: Sequence[Dict[str, Any]], r
     out = []
     for name in names:
         per = [e[name] for e in everyone]
-        cols: Dict[str, Any] = {"world": n, "table": f"{a.rows}x{a.dim}", "bags/rank": f"{a.batch}x{a.pooling}",
-                                "union": len(ref.rows0), "method": name}
+        cols: Dict[str, Any] = {"world": n, "alpha": a.alpha, "bag": a.pooling, "table": f"{a.rows}x{a.dim}",
+                                "bags/rank": f"{a.batch}x{a.pooling}", "union": len(ref.rows0), "method": name}
         errors = [p["error"] for p in per if p["error"]]
         if errors:
             cols["error"] = errors[0]
@@ -397,6 +438,8 @@ def _rows(a, n: int, names: Sequence[str], everyone: Sequence[Dict[str, Any]], r
                     MB_per_rank=statistics.mean(p["memory"] for p in per) / 1e6,
                     MB_max=max(p["memory"] for p in per) / 1e6, floor_MB=floor_mb,
                     wire_MB=statistics.mean(p["wire"] for p in per) / 1e6 if per[0]["wire"] is not None else "",
+                    torchrec_MB=torchrec_bytes(a, n) / 1e6 if name == "torchrec" else "",
+                    pooled=statistics.mean(p["pooled"] for p in per) if per[0]["pooled"] is not None else "",
                     **{"#wrong": int(sum(p["wrong"] for p in per))})
         out.append(Row(cols))
     for name, why in getattr(a, "skipped", {}).items():
@@ -412,8 +455,12 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--rows", type=int, default=1_000_000, help="table rows V (default 1M)")
     p.add_argument("--dim", type=int, default=64, help="row width d (default 64)")
     p.add_argument("--batch", type=int, default=2048, help="bags per rank (default 2048)")
-    p.add_argument("--pooling", type=int, default=20, help="ids per bag (default 20)")
-    p.add_argument("--alpha", type=float, default=1.1, help="Zipf skew of the ids (default 1.1)")
+    p.add_argument("--pooling", default="20", help="ids per bag, or a comma-separated list (default 20)")
+    p.add_argument("--alpha", default="1.1", help="Zipf skew of the ids, or a comma-separated list (default 1.1)")
+    p.add_argument("--owner-pooling", choices=("auto", "always", "never"), default="auto",
+                   help="sparsecomm's owner_pooling (default auto: the path that moves fewer bytes)")
+    p.add_argument("--fused", type=int, choices=(0, 1), default=1,
+                   help="1 (default): sparsecomm's optimizer updates in backward, like TorchRec's; 0: in step()")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     p.add_argument("--eps", type=float, default=1e-8, help="row-wise Adagrad eps (default 1e-8)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)} (default: all; "
@@ -423,6 +470,13 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--iters", type=int, default=10, help="timed rounds (default 10)")
     add_launch_args(p)
     a = p.parse_args(argv)
+    try:
+        a.alphas = [float(x) for x in str(a.alpha).split(",") if x]
+        a.poolings = [int(x) for x in str(a.pooling).split(",") if x]
+    except ValueError:
+        p.error("--alpha and --pooling take numbers, comma-separated")
+    if not a.alphas or not a.poolings or min(a.poolings) < 1 or min(a.alphas) <= 1:
+        p.error("--pooling needs ids per bag >= 1 and --alpha Zipf exponents > 1")
     explicit = any(x == "--methods" or x.startswith("--methods=") for x in argv)
     a.skipped = {}
     if not explicit and importlib.util.find_spec("torchrec") is None:

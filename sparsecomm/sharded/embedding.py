@@ -482,7 +482,8 @@ class ShardedEmbeddingBag(_ShardedTable):
         pooling = None
         # torch's "mean" with a last offset short of the input divides the last bag by a count that includes the
         # ids after it: such inputs take the rows path, which is torch's embedding_bag itself.
-        trailing = self.include_last_offset and offsets is not None and int(offsets[-1]) != flat.numel()
+        trailing = status[0] == STATUS_OK and self.include_last_offset and offsets is not None and \
+            int(offsets[-1]) != flat.numel()
         if status[0] == STATUS_OK and self.mode != "max" and self.owner_pooling != "never" and not trailing and \
                 (per_sample_weights is None or not (torch.is_grad_enabled() and per_sample_weights.requires_grad)):
             pooling = Bags(bags, self.mode, self._bag_lengths(input, offsets, flat.numel()),

@@ -330,19 +330,17 @@ class TableSet:
         info.pooled, info.bags = True, bags
         info.bag_counts = torch.bincount(bag_of, minlength=bags.num_bags)[:bags.num_bags] if bags.mode == "mean" \
             else None
-        unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
-        part = t.layout.partition(unique)
-        info.unique, info.part = unique, part
-        u = unique.numel()
-        # Each unique id's position among its owner's ids (what the owner will index), in sorted-id order.
-        starts = torch.cumsum(part.counts, 0) - part.counts
-        owner_sorted = torch.repeat_interleave(torch.arange(n, device=flat.device), part.counts)
-        local = torch.empty(u, dtype=torch.int64, device=flat.device)
-        local[part.perm] = torch.arange(u, device=flat.device) - starts[owner_sorted]
-        # Occurrences grouped by owner, bag order kept inside an owner (the partition is stable).
+        # Occurrences grouped by owner, bag order kept inside an owner (the partition is stable); per owner,
+        # its distinct ids (sorted) and each occurrence's position among them.
         occ = t.layout.partition(flat)
-        order = occ.perm
-        positions = local[inverse[order]].to(torch.int32)
+        order, occ_counts = occ.perm, occ.counts.tolist()
+        uniques, positions = [], []
+        for ids in torch.split(occ.ids, occ_counts):
+            u, pos = torch.unique(ids, sorted=True, return_inverse=True)
+            uniques.append(u)
+            positions.append(pos.to(torch.int32))
+        counts = torch.tensor([u.numel() for u in uniques], dtype=torch.int64)
+        info.unique = torch.cat(uniques)
         bag_occ = bag_of[order]
         owner_occ = torch.repeat_interleave(torch.arange(n, device=flat.device), occ.counts)
         nb = max(bags.num_bags, 1)
@@ -350,13 +348,12 @@ class TableSet:
         info.bag_rows = keys % nb
         bag_counts = torch.bincount(keys // nb, minlength=n)
         w = weights[order] if weights is not None else None
-        pos_split = torch.split(positions, occ.counts.tolist())
         len_split = torch.split(lengths.to(torch.int32), bag_counts.tolist())
-        w_split = torch.split(w, occ.counts.tolist()) if w is not None else [None] * n
-        words = [pack_words(p, ln, *([x] if x is not None else [])) for p, ln, x in zip(pos_split, len_split, w_split)]
+        w_split = torch.split(w, occ_counts) if w is not None else [None] * n
+        words = [pack_words(p, ln, *([x] if x is not None else [])) for p, ln, x in zip(positions, len_split, w_split)]
         weight_bytes = t.local_weight.element_size() if w is not None else 0
-        estimates = _pooled_estimates(t, part.counts, occ.counts, bag_counts, weight_bytes, me)
-        return TableRequest(part.ids, part.counts, t.fingerprint(), t.num_embeddings, t.layout.num_local, True,
+        estimates = _pooled_estimates(t, counts, occ.counts, bag_counts, weight_bytes, me)
+        return TableRequest(info.unique, counts, t.fingerprint(), t.num_embeddings, t.layout.num_local, True,
                             t.layout.owns, PooledRequest(occ.counts, bag_counts, words, weight_bytes),
                             t.local_weight.dtype, estimates)
 
