@@ -90,22 +90,27 @@ def foreign_ids(wrong, padded):
     return edit
 
 
-def case_malicious_peer(rank, world):
-    emb = sh.ShardedEmbedding(V, D, seed=3, dtype=torch.float64)
-    opt = sh.ShardedSGD(emb, lr=0.5)
+def training_step(emb, opt, ids, expected):
+    """A step that must look up ``expected(full table)`` and then train (the table is re-read after each step)."""
     full = emb.full_weight()
-    # The bad rank asks every owner for all of its rows; the others for a few.
-    ids = torch.arange(V) if rank == BAD else torch.tensor([1, 2, 29])
-    refused = 0
 
     def still_works():
         out = emb(ids)
-        assert torch.equal(out, full[ids])
+        assert torch.allclose(out, expected(full))
         opt.zero_grad()
         out.sum().backward()
         opt.step()
         full.copy_(emb.full_weight())
+    return still_works
 
+
+def case_malicious_peer(rank, world):
+    emb = sh.ShardedEmbedding(V, D, seed=3, dtype=torch.float64)
+    opt = sh.ShardedSGD(emb, lr=0.5)
+    # The bad rank asks every owner for all of its rows; the others for a few.
+    ids = torch.arange(V) if rank == BAD else torch.tensor([1, 2, 29])
+    refused = 0
+    still_works = training_step(emb, opt, ids, lambda full: full[ids])
     # The group's first rounds: the first message holds only headers until its width fits the padded ids.
     still_works()
     still_works()
@@ -160,19 +165,10 @@ def case_malicious_pooled_peer(rank, world):
     """A pooled bag lookup (owners pool): lies about occurrences, bags, positions and lengths raise everywhere."""
     emb = sh.ShardedEmbeddingBag(V, D, mode="sum", owner_pooling="always", seed=3, dtype=torch.float64)
     opt = sh.ShardedSGD(emb, lr=0.5)
-    full = emb.full_weight()
     # Every rank's bags hit every owner (the bad rank's hold every row, twice).
     ids = torch.cat([torch.arange(V), torch.arange(V)]).view(6, 10) if rank == BAD else \
         torch.tensor([[1, 2, 29, 1], [5, 6, 7, 8]])
-
-    def still_works():
-        out = emb(ids)
-        assert torch.allclose(out, full[ids].sum(1))
-        opt.zero_grad()
-        out.sum().backward()
-        opt.step()
-        full.copy_(emb.full_weight())
-
+    still_works = training_step(emb, opt, ids, lambda full: full[ids].sum(1))
     still_works()
     still_works()
     assert emb.stats.pooled_lookups == 2 and emb.stats.row_lookups == 0
