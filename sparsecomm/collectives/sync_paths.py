@@ -9,20 +9,19 @@ share those collectives (two-level aggregation, densify, the tree in
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
-from sparsecomm.collectives.exchange import (allgather_rows, count_bytes, exchange_tables, kernel_ids,
-                                             push_to_owners, wire_buffers)
+from sparsecomm.collectives.exchange import (Gathered, Reduce, allgather_rows, count_bytes, count_copied,
+                                             exchange_tables, push_to_owners, wire_buffers, wire_row_bytes)
 from sparsecomm.collectives.groups import node_groups
 from sparsecomm.collectives.sync_plan import (ERR_OK, ERR_RANGE, Peers, Rows, SyncPlan, check_peers, meta_row,
                                               meta_width)
 from sparsecomm.collectives.tree import tree_allreduce
-from sparsecomm.types import ReduceOp, SparseSyncStats, SyncMethod
+from sparsecomm.types import ReduceOp, SyncMethod
 
 __all__ = ["capped_allgather", "fused_exchange", "one_by_one"]
 
@@ -46,7 +45,7 @@ def capped_allgather(tables: List[Rows], plan: SyncPlan
     dev = plan.comm_device
     width = meta_width(plan)
     header = torch.tensor(meta_row(tables, plan), dtype=torch.int64, device=dev)
-    widths = [(torch.empty(0, dtype=t.wire_ids).element_size(), t.stats.row_bytes) for t in tables]
+    widths = [(wire_row_bytes(Gathered(t.ids, None, t.wire_ids)), wire_row_bytes(t.values)) for t in tables]
     hb = header.numel() * 8
     # Every region starts at a multiple of 8 bytes, so each can be viewed in its dtype.
     spans = [(_align8(cap * wi), _align8(cap * wv)) for cap, (wi, wv) in zip(caps, widths)]
@@ -67,23 +66,28 @@ def capped_allgather(tables: List[Rows], plan: SyncPlan
     for j in range(1, n):
         send[j * size:(j + 1) * size].copy_(first)
     dist.all_to_all_single(recv, send, group=plan.group)
-    recv = recv.view(n, -1)
-    got = recv[:, :hb].reshape(-1).view(torch.int64).view(n, len(tables), width).tolist()
+    got = recv.view(n, -1)[:, :hb].reshape(-1).view(torch.int64).view(n, len(tables), width).tolist()
     peers = [check_peers([got[r][i] for r in range(n)], t, plan) for i, t in enumerate(tables)]
-    for t, p, (si, sv) in zip(tables, peers, spans):
+    for t, p, cap, (wi, wv), (si, sv) in zip(tables, peers, caps, widths, spans):
         t.stats.bytes_sent += (n - 1) * (8 * width + si + sv)
         t.stats.bytes_recv += (n - 1) * (8 * width + si + sv)
+        # Rows copied into the send buffer: this rank's rows once, then its padded span once per other peer.
+        count_copied(t.stats, min(cap, t.ids.shape[0]) * (wi + wv) + (n - 1) * (si + sv))
     if any(max(p.k) > cap for p, cap in zip(peers, caps)):
         return None
     out, offset = [], hb
-    for t, p, (wi, wv), (si, sv) in zip(tables, peers, widths, spans):
-        ids = torch.cat([recv[r, offset:offset + p.k[r] * wi] for r in range(n)]).view(t.wire_ids)
-        offset += si
-        vals = torch.cat([recv[r, offset:offset + p.k[r] * wv] for r in range(n)]).view(t.values.dtype)
-        offset += sv
-        vals = vals.view(-1, *t.value_shape()).to(device=t.values.device, dtype=t.sum_dtype)
-        ids, vals = _sum_gathered(t, kernel_ids(ids).to(t.ids.device), vals, plan)
-        out.append((ids, vals))
+    for t, p, (si, sv) in zip(tables, peers, spans):
+        # Every rank's rows summed straight out of the receive buffer, in rank order.
+        segments = [(p.k[r], r * size + offset, r * size + offset + si) for r in range(n)]
+        offset += si + sv
+        try:
+            ids, sums = ops.coalesce_segments(recv, segments, t.wire_ids, t.values.dtype, t.value_shape(),
+                                              t.num_rows, ids_dtype=t.ids.dtype,
+                                              accumulate_dtype=t.sum_dtype != t.values.dtype)
+        except ValueError:  # every rank received the same rows: every rank raises
+            raise ValueError(f"sparse_allreduce: a peer sent row ids outside [0, {t.num_rows}) "
+                             f"(inconsistent data between ranks)") from None
+        out.append(_finish_sums(t, ids, sums, plan))
     return peers, out
 
 
@@ -91,54 +95,46 @@ def _align8(nbytes: int) -> int:
     return (nbytes + 7) // 8 * 8
 
 
-def _sum_gathered(t: Rows, ids: torch.Tensor, values: torch.Tensor, plan: SyncPlan
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Every rank sums the same gathered rows in rank order: identical results everywhere."""
-    try:
-        ids, values = ops.coalesce_rows(ids, values, t.num_rows)
-    except ValueError:  # every rank received the same rows: every rank raises
-        raise ValueError(f"sparse_allreduce: a peer sent row ids outside [0, {t.num_rows}) "
-                         f"(inconsistent data between ranks)") from None
-    if plan.op is ReduceOp.AVG:
-        values.div_(plan.world_size)
-    return ids, values.to(t.values.dtype)
-
-
 def fused_exchange(tables: List[Rows], peers: List[Peers], plan: SyncPlan
                     ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Push (partitioned) and gather (allgather) every fused tensor in one all-to-all; pull the owned sums in one more."""
+    """Push (partitioned) and gather (allgather) every fused tensor in one all-to-all; pull the owned sums in one more.
+
+    Each row is copied once per side: packed into the send buffer (partitioned
+    rows through the partition's ``perm``), then summed straight out of the
+    receive buffer, by its owner (partitioned) or by every rank (allgather).
+    """
     n, me = plan.world_size, plan.rank
     # Push: to peer j, partitioned tensors send the rows j owns, allgather tensors all their rows.
-    send_parts, send_counts, recv_counts = [], [], []
+    blocks, send_counts, recv_counts, reduce = [], [], [], []
     for t, p in zip(tables, peers):
         if t.method is SyncMethod.PARTITIONED:
-            ids, values = t.part.ids, t.part.values
+            blocks.append([Gathered(t.part.ids, None, t.wire_ids), Gathered(t.values, t.part.perm)])
             send_counts.append(p.push[me])
             recv_counts.append([p.push[i][me] for i in range(n)])
         else:
-            ids, values = t.ids, t.values
+            blocks.append([Gathered(t.ids, None, t.wire_ids), t.values])
             send_counts.append([p.k[me]] * n)
             recv_counts.append(list(p.k))
-        send_parts.append((ids.to(t.wire_ids), values))
-    received = _all_to_all_tables(send_parts, send_counts, recv_counts, [t.stats for t in tables], plan,
-                                  repeat=[t.method is SyncMethod.ALLGATHER for t in tables])
+        # Not strict: a bad id from a peer comes back as an empty block, handled below.
+        reduce.append(Reduce(t.num_rows, t.ids.dtype, accumulate=t.sum_dtype != t.values.dtype, strict=False))
+    received = _exchange(blocks, send_counts, recv_counts, [t.method is SyncMethod.ALLGATHER for t in tables],
+                         reduce, tables, plan)
     out: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(tables)
     owned, owned_idx, errors = [], [], []
-    for i, (t, (ids, values)) in enumerate(zip(tables, received)):
-        ids = kernel_ids(ids).to(t.ids.device)
-        values = values.to(device=t.values.device, dtype=t.sum_dtype)
+    for i, (t, got) in enumerate(zip(tables, received)):
+        err = ERR_OK
+        if got:
+            ids, sums = got
+        elif t.method is SyncMethod.ALLGATHER:  # every rank received the same rows: every rank raises
+            raise ValueError(f"sparse_allreduce: a peer sent row ids outside [0, {t.num_rows}) "
+                             f"(inconsistent data between ranks)")
+        else:  # an owner records the error and tells every rank in its pull count
+            ids, sums, err = t.ids[:0], t.values.new_empty((0, *t.value_shape()), dtype=t.sum_dtype), ERR_RANGE
+        ids, sums = _finish_sums(t, ids, sums, plan)
         if t.method is SyncMethod.ALLGATHER:
-            out[i] = _sum_gathered(t, ids, values, plan)
+            out[i] = ids, sums
             continue
-        try:
-            # Ids from peers are bounds-checked by the kernel before it indexes with them.
-            ids, values = ops.coalesce_rows(ids, values, t.num_rows)
-            err = ERR_OK
-        except ValueError:
-            ids, values, err = ids[:0], values[:0], ERR_RANGE
-        if plan.op is ReduceOp.AVG:
-            values.div_(n)
-        owned.append((ids, values.to(t.values.dtype)))
+        owned.append((ids, sums))
         owned_idx.append(i)
         errors.append(err)
     if owned:
@@ -146,6 +142,14 @@ def fused_exchange(tables: List[Rows], peers: List[Peers], plan: SyncPlan
         for i, res in zip(owned_idx, pulled):
             out[i] = res
     return out
+
+
+def _finish_sums(t: Rows, ids: torch.Tensor, sums: torch.Tensor, plan: SyncPlan
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sums of received rows (in ``t.sum_dtype``) as results: averaged if asked, in the tensor's dtype and device."""
+    if plan.op is ReduceOp.AVG:
+        sums.div_(plan.world_size)
+    return ids.to(t.ids.device), sums.to(device=t.values.device, dtype=t.values.dtype)
 
 
 def _pull(owned, errors, tables: List[Rows], peers: List[Peers], plan: SyncPlan
@@ -173,32 +177,29 @@ def _pull(owned, errors, tables: List[Rows], peers: List[Peers], plan: SyncPlan
                 raise ValueError(f"sparse_allreduce: owner rank {r} announced {c} summed rows, inconsistent with "
                                  f"the {pushed} rows pushed to it; nothing was shared")
         recv_counts.append(counts)
-    send_parts = [(ids.to(t.wire_ids), values) for (ids, values), t in zip(owned, tables)]
+    blocks = [[Gathered(ids, None, t.wire_ids), values] for (ids, values), t in zip(owned, tables)]
     send_counts = [[ids.shape[0]] * n for ids, _ in owned]
-    received = _all_to_all_tables(send_parts, send_counts, recv_counts, [t.stats for t in tables], plan,
-                                  repeat=[True] * len(tables))
-    out = []
-    for t, (ids, values) in zip(tables, received):
-        # Owners' rows arrive owner by owner, disjoint: one sort makes the result coalesced.
-        ids, values = ops.coalesce_rows(kernel_ids(ids).to(t.ids.device), values.to(t.values.device), t.num_rows)
-        out.append((ids, values))
-    return out
+    # Owners' rows arrive owner by owner, disjoint: coalescing them straight out of the receive buffer
+    # writes the sorted result once (and bounds-checks the ids; every rank receives the same rows).
+    reduce = [Reduce(t.num_rows, t.ids.dtype) for t in tables]
+    received = _exchange(blocks, send_counts, recv_counts, [True] * len(tables), reduce, tables, plan)
+    return [(ids.to(t.ids.device), values.to(t.values.device)) for t, (ids, values) in zip(tables, received)]
 
 
-def _all_to_all_tables(parts: List[Tuple[torch.Tensor, torch.Tensor]], send_counts: List[List[int]],
-                       recv_counts: List[List[int]], stats: List[SparseSyncStats], plan: SyncPlan,
-                       repeat: List[bool]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """One all-to-all carrying (ids, rows) of several tensors; returns each tensor's received rows in rank order.
+def _exchange(blocks: List[List[Rows]], send_counts: List[List[int]], recv_counts: List[List[int]],
+              repeat: List[bool], reduce: List[Optional[Reduce]], tables: List[Rows], plan: SyncPlan
+              ) -> List[List[torch.Tensor]]:
+    """One all-to-all carrying several tensors' blocks (:func:`~sparsecomm.collectives.exchange.exchange_tables`),
+    with each tensor's bytes on the wire and bytes copied counted in its stats.
 
     ``repeat[t]``: tensor t sends all of its rows to every peer (an allgather);
     else ``send_counts[t][j]`` consecutive rows go to peer j.
     """
-    me = plan.rank
-    row_bytes = [[ids.element_size(), math.prod(v.shape[1:]) * v.element_size()] for ids, v in parts]
-    for t, s in enumerate(stats):
-        row = sum(row_bytes[t])
-        count_bytes(s, [c * row for c in send_counts[t]], [c * row for c in recv_counts[t]], me, plan.peer_node)
-    return exchange_tables(parts, send_counts, recv_counts, repeat, plan.group, plan.comm_device)
+    for block, t, sent, got in zip(blocks, tables, send_counts, recv_counts):
+        row = sum(wire_row_bytes(x) for x in block)
+        count_bytes(t.stats, [c * row for c in sent], [c * row for c in got], plan.rank, plan.peer_node)
+    return exchange_tables(blocks, send_counts, recv_counts, repeat, plan.group, plan.comm_device, reduce=reduce,
+                           stats=[t.stats for t in tables])
 
 
 # --------------------------------------------------- paths taken one by one

@@ -178,7 +178,9 @@ def prepare(tensor: torch.Tensor, method: SyncMethod, plan: SyncPlan, stats: Spa
         rows.ids, rows.values = rows.ids[:0], values[:0]
     stats.rows_local = rows.ids.shape[0]
     if rows.method is SyncMethod.PARTITIONED and not rows.hierarchical:
-        rows.part = ops.partition_rows(rows.ids, rows.values, plan.world_size, plan.scheme, num_rows,
+        # Ids, counts and perm only: the push packs the value rows through perm straight into the send
+        # buffer (exchange.Gathered), so permuted rows are never written anywhere else.
+        rows.part = ops.partition_rows(rows.ids, None, plan.world_size, plan.scheme, num_rows,
                                        range_size=plan.range_size(num_rows))
     return rows
 
