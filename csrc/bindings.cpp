@@ -21,9 +21,12 @@ template <typename T = void>
 T* ptr(uintptr_t address) { return reinterpret_cast<T*>(address); }
 
 struct CoalescePlan {
-  RowGroups groups;
+  RowGroups groups;               // ids grouped by a radix sort, unless `dense`
+  SlotMap slots;                  // ids grouped by a dense slot map (narrow ranges), when `dense`
+  bool dense = false;
   IndexType index_type;
   std::vector<const void*> rows;  // value row addresses (plans over a receive buffer's segments)
+  int64_t num_unique() const { return dense ? slots.num_unique() : groups.num_groups(); }
 };
 
 }  // namespace
@@ -32,25 +35,33 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "sparsecomm CPU row kernels (C++/OpenMP)";
 
   py::class_<CoalescePlan>(m, "CoalescePlan")
-      .def_property_readonly("num_unique", [](const CoalescePlan& p) { return p.groups.num_groups(); });
+      .def_property_readonly("num_unique", &CoalescePlan::num_unique)
+      .def_property_readonly("dense", [](const CoalescePlan& p) { return p.dense; });
 
   m.def("coalesce_plan",
-        [](uintptr_t ids, int index_code, int64_t n, int64_t num_rows, int threads) {
+        [](uintptr_t ids, int index_code, int64_t n, int64_t num_rows, int threads, bool allow_dense) {
           auto plan = std::make_unique<CoalescePlan>();
           plan->index_type = to_index_type(index_code);
           py::gil_scoped_release release;
-          plan->groups = group_rows(ptr(ids), plan->index_type, n, num_rows, threads);
+          plan->dense = allow_dense && build_slot_map(ptr(ids), plan->index_type, n, num_rows, threads, plan->slots);
+          if (!plan->dense) plan->groups = group_rows(ptr(ids), plan->index_type, n, num_rows, threads);
           return plan;
         },
         py::arg("ids"), py::arg("index_code"), py::arg("n"), py::arg("num_rows"), py::arg("threads"),
-        "Sort ids stably and find the groups of equal ids.");
+        py::arg("allow_dense") = false,
+        "Group equal ids: a dense slot map over a narrow id range (if allowed), else a stable radix sort.");
 
   m.def("coalesce_apply",
         [](const CoalescePlan& plan, uintptr_t values, int value_code, int64_t d, uintptr_t out_ids,
            uintptr_t out_values, int threads) {
           const ValueType vt = to_value_type(value_code);
           py::gil_scoped_release release;
-          coalesce_apply(plan.groups, ptr(values), vt, d, ptr(out_ids), plan.index_type, ptr(out_values), threads);
+          if (plan.dense)
+            coalesce_slots_apply(plan.slots, ptr(values), vt, d, ptr(out_ids), plan.index_type, ptr(out_values),
+                                 threads);
+          else
+            coalesce_apply(plan.groups, ptr(values), vt, d, ptr(out_ids), plan.index_type, ptr(out_values),
+                           threads);
         },
         py::arg("plan"), py::arg("values"), py::arg("value_code"), py::arg("d"), py::arg("out_ids"),
         py::arg("out_values"), py::arg("threads"),
@@ -62,6 +73,7 @@ PYBIND11_MODULE(_C, m) {
            int threads) {
           const ValueType vt = to_value_type(value_code);
           const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
+          if (plan.dense) throw std::invalid_argument("sparsecomm: coalesce_partition_apply needs a sorted plan");
           py::gil_scoped_release release;
           coalesce_partition_apply(plan.groups, ptr(values), vt, d, map, ptr<int64_t>(counts), ptr(out_ids),
                                    plan.index_type, ptr(out_values), threads);

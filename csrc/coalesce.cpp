@@ -1,12 +1,144 @@
 // coalesce rows: sorted unique ids and the per-id sums of their value rows;
 // fused with the partition by owner, or read straight out of a receive buffer.
+//
+// Two ways to group the ids: a dense slot map when their range is narrow
+// (build_slot_map, then the values are streamed in input order), else a radix
+// sort (group_rows, then each group's rows are gathered). Both sum each id's
+// rows in input order starting from the first, so they agree bitwise, and
+// neither depends on the number of threads.
+#include <climits>
+#include <memory>
 #include <string>
+#include <type_traits>
 
 #include "counting_sort.h"
 #include "ops.h"
 #include "segment_reduce.h"
 
 namespace sparsecomm {
+
+bool build_slot_map(const void* ids, IndexType it, int64_t n, int64_t num_rows, int threads, SlotMap& map) {
+  threads = clamp_threads(threads);
+  const IdRange r = check_ids(ids, it, n, num_rows, threads, "ids");
+  if (n == 0) {
+    map = SlotMap{};
+    return true;
+  }
+  if (n > INT32_MAX) return false;
+  // r.min >= 0 (checked): the span cannot overflow.
+  const uint64_t span = static_cast<uint64_t>(r.max - r.min) + 1;
+  if (span > static_cast<uint64_t>(kSlotMapSpanPerRow) * static_cast<uint64_t>(n)) return false;
+  const int64_t m = static_cast<int64_t>(span);
+  std::unique_ptr<int32_t[]> pos(new int32_t[static_cast<size_t>(m)]);
+  std::vector<int64_t> before(static_cast<size_t>(threads) + 1, 0);  // slots before each thread's chunk
+  map.slot.resize(static_cast<size_t>(n));
+#pragma omp parallel num_threads(threads)
+  {
+    const auto [t, nt] = this_thread_team();
+    const int64_t lo = m * t / nt, hi = m * (t + 1) / nt;
+    for (int64_t x = lo; x < hi; ++x) pos[x] = 0;
+#pragma omp barrier
+    // Several rows may mark the same id: relaxed atomic stores of the same value, no data race.
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) __atomic_store_n(&pos[load_id(ids, it, i) - r.min], 1, __ATOMIC_RELAXED);
+    int64_t present = 0;
+    for (int64_t x = lo; x < hi; ++x) present += pos[x];
+    before[t + 1] = present;
+#pragma omp barrier
+#pragma omp single
+    {
+      for (int u = 0; u < nt; ++u) before[u + 1] += before[u];
+      map.unique_id.resize(static_cast<size_t>(before[nt]));
+    }
+    // Ids present get consecutive slots in id order.
+    int64_t next = before[t];
+    for (int64_t x = lo; x < hi; ++x) {
+      if (pos[x]) {
+        map.unique_id[next] = x + r.min;
+        pos[x] = static_cast<int32_t>(next++);
+      }
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) map.slot[i] = pos[load_id(ids, it, i) - r.min];
+  }
+  return true;
+}
+
+namespace {
+
+// Thread t of T adds the rows whose slot % T == t, walking the input once in
+// order: each slot's rows are summed by one thread, in input order, starting
+// from the first (as reduce_groups_with). fp32/fp64 sum in the output itself;
+// fp16/bf16 in a float32 scratch rounded once at the end.
+template <ValueType V>
+void sum_into_slots(const SlotMap& map, const void* values, int64_t d, void* out_values, int threads) {
+  using E = Elem<V>;
+  using S = typename E::storage;
+  using A = typename E::acc;
+  constexpr bool kInPlace = std::is_same<S, A>::value;
+  const int64_t n = static_cast<int64_t>(map.slot.size());
+  const int64_t u = map.num_unique();
+  const S* vals = static_cast<const S*>(values);
+  S* out = static_cast<S*>(out_values);
+  std::unique_ptr<A[]> scratch(kInPlace ? nullptr : new A[static_cast<size_t>(u * d)]);
+  A* acc = kInPlace ? reinterpret_cast<A*>(out) : scratch.get();
+  std::vector<uint8_t> seen(static_cast<size_t>(u), 0);  // a slot's first row starts its sum
+  const int32_t* slot = map.slot.data();
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(A));
+  const int64_t src_bytes = d * static_cast<int64_t>(sizeof(S));
+  constexpr int64_t kAhead = 16, kAheadRows = 8;
+#pragma omp parallel num_threads(clamp_threads(threads))
+  {
+    const auto [t, nt] = this_thread_team();
+    // Which thread owns a slot does not change any sum (each slot has one owner, adding in input order);
+    // a mask instead of a division when the team size allows.
+    const uint32_t mask = (nt & (nt - 1)) == 0 ? static_cast<uint32_t>(nt - 1) : 0;
+    auto mine = [&](uint32_t s) { return mask || nt == 1 ? (s & mask) == static_cast<uint32_t>(t)
+                                                         : s % static_cast<uint32_t>(nt) == static_cast<uint32_t>(t); };
+    for (int64_t i = 0; i < n; ++i) {
+      // Sums are hit at random (the rows in order): fetch the ones this thread will add to a few rows
+      // ahead, and the rows it will read (it skips the other threads' rows).
+      if (i + kAhead < n && mine(static_cast<uint32_t>(slot[i + kAhead]))) {
+        const char* dst = reinterpret_cast<const char*>(acc + static_cast<int64_t>(slot[i + kAhead]) * d);
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(dst + byte, 1);
+      }
+      if (i + kAheadRows < n && mine(static_cast<uint32_t>(slot[i + kAheadRows]))) {
+        const char* src = reinterpret_cast<const char*>(vals + (i + kAheadRows) * d);
+        for (int64_t byte = 0; byte < src_bytes; byte += 64) __builtin_prefetch(src + byte);
+      }
+      const int64_t s = slot[i];
+      if (!mine(static_cast<uint32_t>(s))) continue;
+      const S* src = vals + i * d;
+      A* a = acc + s * d;
+      if (seen[s]) {
+        if constexpr (kInPlace) {
+          for (int64_t j = 0; j < d; ++j) a[j] += src[j];
+        } else {
+          for (int64_t j = 0; j < d; ++j) a[j] += E::load(src[j]);
+        }
+      } else {
+        seen[s] = 1;
+        for (int64_t j = 0; j < d; ++j) a[j] = E::load(src[j]);
+      }
+    }
+    if constexpr (!kInPlace) {
+#pragma omp barrier
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < u * d; ++k) out[k] = E::store(acc[k]);
+    }
+  }
+}
+
+}  // namespace
+
+void coalesce_slots_apply(const SlotMap& map, const void* values, ValueType vt, int64_t d, void* out_ids,
+                          IndexType it, void* out_values, int threads) {
+  const int64_t u = map.num_unique();
+  for (int64_t g = 0; g < u; ++g) store_id(out_ids, it, g, map.unique_id[g]);
+  if (d == 0 || u == 0) return;
+  SPARSECOMM_DISPATCH_VALUE(vt, [&] { sum_into_slots<V>(map, values, d, out_values, threads); });
+}
 
 void coalesce_apply(const RowGroups& groups, const void* values, ValueType vt, int64_t d, void* out_ids,
                     IndexType it, void* out_values, int threads) {

@@ -27,6 +27,29 @@ void check_owner_map(const OwnerMap& map);
 
 int64_t row_owner(int64_t id, const OwnerMap& map);
 
+// Ids over a narrow range, grouped without sorting: a dense map over [min, max] marks the ids present,
+// and its prefix sum gives each id its output slot (ids ascending). Coalesce then streams the values in
+// input order, adding each row into its slot: sequential reads of the rows instead of the random reads of
+// a sorted order, with the same sums (each slot's rows in input order, from the first).
+struct SlotMap {
+  std::vector<int32_t> slot;       // output slot of each input row
+  std::vector<int64_t> unique_id;  // id of each slot, ascending
+  int64_t num_unique() const { return static_cast<int64_t>(unique_id.size()); }
+};
+
+// The widest id range (max - min + 1) per input row that the dense map takes: its cost grows with the
+// range, the radix sort's with the rows.
+constexpr int64_t kSlotMapSpanPerRow = 4;
+
+// Checks every id lies in [0, num_rows) (as group_rows). If the ids' range is at most
+// kSlotMapSpanPerRow * n (and n < 2^31), fills `map` and returns true; else returns false, `map` untouched.
+bool build_slot_map(const void* ids, IndexType it, int64_t n, int64_t num_rows, int threads, SlotMap& map);
+
+// coalesce_apply over a slot map: unique ids to out_ids, each slot's row sum to out_values (the same
+// values, bitwise, as over the groups of the same ids, for any thread count).
+void coalesce_slots_apply(const SlotMap& map, const void* values, ValueType vt, int64_t d, void* out_ids,
+                          IndexType it, void* out_values, int threads);
+
 // Writes the sorted unique ids of `groups` to out_ids and their row sums to out_values.
 void coalesce_apply(const RowGroups& groups, const void* values, ValueType vt, int64_t d, void* out_ids,
                     IndexType it, void* out_values, int threads);

@@ -105,8 +105,9 @@ def _dynamic_rows() -> torch.SymInt:
 
 @torch.library.custom_op("sparsecomm::coalesce", mutates_args=(), device_types="cpu")
 def coalesce(ids: Tensor, values: Tensor, num_rows: int) -> Tuple[Tensor, Tensor]:
+    # allow_dense: ids over a narrow range are grouped by a dense slot map and the values streamed in order.
     plan = _C.coalesce_plan(ids.data_ptr(), INDEX_CODE[ids.dtype], ids.shape[0], num_rows,
-                            _threads(ids.shape[0] * 8))
+                            _threads(ids.shape[0] * 8), True)
     u = plan.num_unique
     out_ids = torch.empty(u, dtype=ids.dtype)
     out_values = torch.empty((u, values.shape[1]), dtype=values.dtype)
@@ -148,7 +149,7 @@ coalesce.register_autograd(_coalesce_backward, setup_context=_coalesce_setup)
 def coalesce_partition(ids: Tensor, values: Tensor, num_rows: int, num_owners: int, scheme: int, range_size: int,
                        stride: int) -> Tuple[Tensor, Tensor, Tensor]:
     plan = _C.coalesce_plan(ids.data_ptr(), INDEX_CODE[ids.dtype], ids.shape[0], num_rows,
-                            _threads(ids.shape[0] * 8))
+                            _threads(ids.shape[0] * 8), False)
     u = plan.num_unique
     counts = torch.empty(num_owners, dtype=torch.int64)
     out_ids = torch.empty(u, dtype=ids.dtype)

@@ -1,5 +1,7 @@
 """Row kernels against plain torch references: random, skewed, empty, every dtype."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -402,3 +404,96 @@ def test_zero_width_rows(index_dtype):
     assert ops.scatter_add_rows(table, ids, values) is table
     with pytest.raises(ValueError, match="outside"):
         ops.gather_rows(table, torch.tensor([5], dtype=index_dtype))
+
+
+# ------------------------------------- coalesce: dense slot map vs radix sort
+
+
+def _coalesce_with(ids, values, num_rows, threads, allow_dense):
+    """Coalesce through the kernels directly: (took the dense slot map?, unique ids, sums)."""
+    from sparsecomm._library import INDEX_CODE, VALUE_CODE
+
+    flat = values.reshape(ids.shape[0], values[0].numel() if values.shape[0] else math.prod(values.shape[1:]))
+    plan = _C.coalesce_plan(ids.data_ptr(), INDEX_CODE[ids.dtype], ids.shape[0], num_rows, threads, allow_dense)
+    out_ids = torch.empty(plan.num_unique, dtype=ids.dtype)
+    sums = torch.empty((plan.num_unique, flat.shape[1]), dtype=values.dtype)
+    _C.coalesce_apply(plan, flat.data_ptr(), VALUE_CODE[values.dtype], flat.shape[1], out_ids.data_ptr(),
+                      sums.data_ptr(), threads)
+    return plan.dense, out_ids, sums.view((plan.num_unique, *values.shape[1:]))
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+@st.composite
+def ranged_inputs(draw):
+    """Ids over a narrow range (dense slot map) or a wide one (radix sort), at any offset."""
+    n = draw(st.integers(2, 3000))  # (one id is a range of one: see the edge cases)
+    narrow = draw(st.booleans())
+    span = draw(st.integers(1, 4 * n)) if narrow else draw(st.integers(4 * n + 1, 50 * n + 10))
+    base = draw(st.sampled_from([0, 1, 12345, 2**31 + 7]))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    if draw(st.booleans()):
+        ids = zipf_ids(n, span, alpha=1.1, seed=seed)
+    else:
+        ids = torch.randint(0, span, (n,), generator=g)
+    ids[0], ids[-1] = 0, span - 1  # the range is exactly `span`
+    ids = ids + base
+    if base < 2**31 and draw(st.booleans()):
+        ids = ids.to(torch.int32)
+    dtype = draw(st.sampled_from(VALUE_DTYPES))
+    width = draw(st.sampled_from([(1,), (5,), (16,), (2, 3)]))
+    values = torch.randn((n, *width), generator=g, dtype=torch.float64).to(dtype)
+    return ids, values, narrow
+
+
+@SETTINGS
+@given(ranged_inputs(), st.integers(1, 4))
+def test_dense_slot_map_and_radix_sort_give_the_same_bits(inp, threads):
+    ids, values, narrow = inp
+    dense, d_ids, d_sums = _coalesce_with(ids, values, -1, threads, True)
+    assert dense == narrow  # narrow ranges take the slot map, wide ones the radix sort
+    radix, r_ids, r_sums = _coalesce_with(ids, values, -1, threads, False)
+    assert not radix
+    assert torch.equal(d_ids, r_ids) and torch.equal(_bits(d_sums), _bits(r_sums))
+    ref_ids, ref = _ref_coalesce(ids, values)
+    assert torch.equal(d_ids.long(), ref_ids)
+    # The registered op takes the same path and returns the same bits.
+    o_ids, o_sums = ops.coalesce_rows(ids, values)
+    assert torch.equal(o_ids, d_ids) and torch.equal(_bits(o_sums), _bits(d_sums))
+
+
+@pytest.mark.parametrize("dtype", VALUE_DTYPES)
+@pytest.mark.parametrize("narrow", [True, False])
+def test_coalesce_paths_are_bitwise_independent_of_thread_count(dtype, narrow):
+    ids = zipf_ids(60_000, 100_000, alpha=1.1, seed=3)
+    if not narrow:
+        ids = ids * 10_007  # the same groups over a range far wider than 4 ids per row
+    values = torch.randn(60_000, 9).to(dtype)
+    values[::7] = -0.0  # a lone -0.0 must stay -0.0 on both paths
+    results = [_coalesce_with(ids, values, -1, threads, True) for threads in (1, 2, 3, 4)]
+    assert all(dense == narrow for dense, _, _ in results)
+    for _, u, s in results[1:]:
+        assert torch.equal(u, results[0][1]) and torch.equal(_bits(s), _bits(results[0][2]))
+    _, u, s = _coalesce_with(ids, values, -1, 2, not narrow)  # the other path
+    assert torch.equal(u, results[0][1]) and torch.equal(_bits(s), _bits(results[0][2]))
+
+
+def test_dense_slot_map_edge_cases():
+    values = torch.randn(3, 2)
+    # Empty input: no groups, nothing written.
+    dense, u, s = _coalesce_with(torch.empty(0, dtype=torch.int64), values[:0], 10, 2, True)
+    assert u.numel() == 0 and s.shape == (0, 2)
+    # One id repeated: a range of one.
+    dense, u, s = _coalesce_with(torch.tensor([7, 7, 7]), values, 10, 2, True)
+    assert dense and u.tolist() == [7] and torch.equal(s[0], values[0] + values[1] + values[2])
+    # Negative ids and ids past the bound are refused on the dense path too, before any write.
+    for bad, bound in (([3, -1, 2], -1), ([3, 10, 2], 10)):
+        with pytest.raises(ValueError, match="outside"):
+            _coalesce_with(torch.tensor(bad), values, bound, 2, True)
+    # NaN and Inf go through the slot map like any value.
+    v = torch.tensor([[float("nan")], [1.0], [float("inf")], [2.0]])
+    _, u, s = _coalesce_with(torch.tensor([4, 4, 5, 6]), v, -1, 1, True)
+    assert u.tolist() == [4, 5, 6] and s[0].isnan().all() and s[1].item() == float("inf") and s[2].item() == 2.0
