@@ -159,13 +159,13 @@ class _Table:
     As requester: its unique ids, their owners, each lookup's inverse, and
     for a pooled lookup the bag of every partial row it gets back. As owner:
     the slots whose gradient rows it receives (``grad_slots``, their ids
-    ``grad_ids``); when some requester pooled, those are the distinct slots and
-    every occurrence adds gradient row ``grad_rows[i]`` (times ``grad_scale[i]``)
-    into slot ``grad_targets[i]``.
+    ``grad_ids``); when some requester pooled, those are the distinct slots, and
+    slot ``u`` gets the sum of gradient rows ``grad_rows[grad_offsets[u]:grad_offsets[u + 1]]``
+    (times ``grad_scale``): one bag per slot.
     """
 
     __slots__ = ("unique", "part", "inverses", "pad", "pooled", "bag_rows", "bag_counts", "bags",
-                 "grad_slots", "grad_ids", "grad_targets", "grad_rows", "grad_scale")
+                 "grad_slots", "grad_ids", "grad_offsets", "grad_rows", "grad_scale")
 
     def __init__(self) -> None:
         self.unique = self.part = None
@@ -173,7 +173,7 @@ class _Table:
         self.pad: Optional[int] = None
         self.pooled = False
         self.bag_rows = self.bag_counts = self.bags = None
-        self.grad_slots = self.grad_ids = self.grad_targets = self.grad_rows = self.grad_scale = None
+        self.grad_slots = self.grad_ids = self.grad_offsets = self.grad_rows = self.grad_scale = None
 
 
 class _Round(torch.autograd.Function):
@@ -392,8 +392,14 @@ class TableSet:
             scales.append((p.weights if p.weights is not None else weight.new_ones(p.positions.numel()))
                           if any_weights else None)
             base += bags
-        info.grad_targets, info.grad_rows = torch.cat(targets), torch.cat(sources)
-        info.grad_scale = torch.cat(scales) if any_weights else None
+        # Backward sums, per distinct slot, its occurrences' gradient rows: with the occurrences sorted by slot
+        # (stable: input order inside a slot), that is an embedding_bag over the few gradient rows.
+        targets = torch.cat(targets)
+        order = torch.argsort(targets, stable=True)
+        info.grad_rows = torch.cat(sources)[order]
+        info.grad_scale = torch.cat(scales)[order] if any_weights else None
+        per_slot = torch.bincount(targets, minlength=info.grad_slots.numel())
+        info.grad_offsets = torch.cumsum(per_slot, 0) - per_slot
         return torch.cat(pieces)
 
     def _push(self, routes: Routes, tables: List[_Table], grads: Sequence[Optional[torch.Tensor]]
@@ -420,12 +426,9 @@ class TableSet:
                 out.append(None)
                 continue
             coalesced = info.grad_rows is not None
-            if coalesced:  # pooled requesters: each occurrence adds its bag's gradient to its row's
-                g = ops.gather_rows(g, info.grad_rows)
-                if info.grad_scale is not None:
-                    g.mul_(info.grad_scale.unsqueeze(1))
-                with torch.no_grad():
-                    g = ops.scatter_add_rows(g.new_zeros(info.grad_slots.numel(), g.shape[1]), info.grad_targets, g)
+            if coalesced:  # pooled requesters: each occurrence adds its bag's gradient (times its weight) to its row's
+                g = F.embedding_bag(info.grad_rows, g, info.grad_offsets, mode="sum",
+                                    per_sample_weights=info.grad_scale)
             out.append(t._owner_gradient(info.grad_slots, info.grad_ids, g, coalesced=coalesced))
         return out
 
