@@ -38,7 +38,7 @@ from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import (STATUS_BAD_INPUT, STATUS_ID_RANGE, STATUS_OK,
                                                      allgather_table_rows, broadcast_int, sharded_group, world)
 from sparsecomm.sharded.layout import RowLayout
-from sparsecomm.sharded.lookup import Bags, Lookup, TableSet
+from sparsecomm.sharded.lookup import Bags, Lookup, TableSet, pool_rows
 from sparsecomm.types import PartitionScheme, SparseSyncStats
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "sharded_modules"]
@@ -474,20 +474,23 @@ class ShardedEmbeddingBag(_ShardedTable):
         else:
             bags = offsets.numel() - int(self.include_last_offset)
 
+        pooling = None
+        # torch's "mean" with a last offset short of the input divides the last bag by a count that includes the
+        # ids after it: such inputs take torch's embedding_bag itself.
+        trailing = status[0] == STATUS_OK and self.include_last_offset and offsets is not None and \
+            int(offsets[-1]) != flat.numel()
+        if status[0] == STATUS_OK and self.mode != "max" and not trailing and \
+                (per_sample_weights is None or not (torch.is_grad_enabled() and per_sample_weights.requires_grad)):
+            pooling = Bags(bags, self.mode, self._bag_lengths(input, offsets, flat.numel()),
+                           per_sample_weights.reshape(-1).detach() if per_sample_weights is not None else None)
+
         def finish(rows, inverse, pad):
+            if pooling is not None:  # sum/mean: the same pooling, with a faster backward (see pool_rows)
+                return pool_rows(rows, inverse, pooling, pad)
             return F.embedding_bag(inverse.view(shape), rows, offsets, mode=self.mode,
                                    per_sample_weights=per_sample_weights,
                                    include_last_offset=self.include_last_offset, padding_idx=pad)
 
-        pooling = None
-        # torch's "mean" with a last offset short of the input divides the last bag by a count that includes the
-        # ids after it: such inputs take the rows path, which is torch's embedding_bag itself.
-        trailing = status[0] == STATUS_OK and self.include_last_offset and offsets is not None and \
-            int(offsets[-1]) != flat.numel()
-        if status[0] == STATUS_OK and self.mode != "max" and self.owner_pooling != "never" and not trailing and \
-                (per_sample_weights is None or not (torch.is_grad_enabled() and per_sample_weights.requires_grad)):
-            pooling = Bags(bags, self.mode, self._bag_lengths(input, offsets, flat.numel()),
-                           per_sample_weights.reshape(-1).detach() if per_sample_weights is not None else None)
         return self._set.submit(Lookup(self, flat, status, finish, (bags, self.embedding_dim), pooling))
 
     def _bag_lengths(self, input: torch.Tensor, offsets: Optional[torch.Tensor], n: int) -> torch.Tensor:
