@@ -134,7 +134,7 @@ def case_paths_match_single_process(rank, world):
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         for variant in (VARIANTS if dtype == torch.float64 else VARIANTS[2:4]):
             want = reference(rank, world, dtype, **variant)
-            for pooling in ("always", "never", "auto"):
+            for pooling in ("always", "never", "auto", "bytes"):
                 got = train(rank, world, dtype, pooling=pooling, **variant)
                 check(got, want, dtype, f"{variant} {pooling} {dtype}")
                 stats = got[2]
@@ -144,18 +144,20 @@ def case_paths_match_single_process(rank, world):
                     assert stats.pooled_lookups == STEPS and stats.row_lookups == 0
                 elif pooling == "always":  # a last offset short of the input takes rows (torch's own mean)
                     assert stats.pooled_lookups >= 1 and stats.pooled_lookups + stats.row_lookups == STEPS
-                else:  # auto: the first round takes rows, then the cheaper path by the round's estimates
+                elif pooling == "auto":  # measures rows first (rounds 0-2; round 0 is a warm-up)
+                    assert (stats.row_lookups, stats.pooled_lookups) == (3, 0), (stats.row_lookups, stats.pooled_lookups)
+                else:  # bytes: the first round takes rows, then the cheaper path by the round's estimates
                     assert stats.row_lookups >= 1 and stats.pooled_lookups + stats.row_lookups == STEPS
                 runs += 1
     return runs
 
 
-def case_auto_chooses_by_bytes(rank, world):
+def case_bytes_rule(rank, world):
     """Long bags at 2+ ranks move fewer bytes pooled; bags of one id move fewer as unique rows."""
     if world == 1:
         return None
-    long = train(rank, world, torch.float64, "sum", "auto", long_bags=True)[2]
-    ones = sh.ShardedEmbeddingBag(V, D, mode="sum", seed=1, dtype=torch.float64)
+    long = train(rank, world, torch.float64, "sum", "bytes", long_bags=True)[2]
+    ones = sh.ShardedEmbeddingBag(V, D, mode="sum", seed=1, dtype=torch.float64, owner_pooling="bytes")
     for step in range(STEPS):
         ids = batch(rank, step, torch.float64, False)[0]
         ones(ids, torch.arange(ids.numel())).sum().backward()
@@ -186,7 +188,7 @@ def case_fused_equals_unfused(rank, world):
 
 def _worker(rank, world):
     return run_cases(rank, world, (("paths", case_paths_match_single_process, ()),
-                                   ("auto", case_auto_chooses_by_bytes, ()),
+                                   ("bytes", case_bytes_rule, ()),
                                    ("psw_grad", case_psw_with_grad_takes_rows, ()),
                                    ("fused", case_fused_equals_unfused, ())))
 
@@ -203,7 +205,7 @@ WORLD_PARAMS = [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)]
 
 @pytest.mark.parametrize("world", WORLD_PARAMS)
 def test_every_pooling_path_trains_like_a_single_process(world):
-    assert all(runs(world)[r]["paths"] == 6 * 3 + 2 * 2 * 3 for r in range(world))
+    assert all(runs(world)[r]["paths"] == 6 * 4 + 2 * 2 * 4 for r in range(world))
 
 
 @pytest.mark.parametrize("world", WORLD_PARAMS)
@@ -217,8 +219,22 @@ def test_fused_optimizers_train_like_unfused_ones(world):
 
 
 @pytest.mark.parametrize("world", WORLD_PARAMS[1:])
-def test_auto_pools_long_bags_and_not_single_ids(world):
+def test_bytes_rule_pools_long_bags_and_not_single_ids(world):
     for r in range(world):
-        long_pooled, single_pooled = runs(world)[r]["auto"]
+        long_pooled, single_pooled = runs(world)[r]["bytes"]
         assert long_pooled == STEPS - 1, "after the first round, long bags are pooled at their owners"
         assert single_pooled == 0, "bags of one id move fewer bytes as unique rows"
+
+
+def test_auto_measures_both_paths_then_keeps_the_faster():
+    from sparsecomm.sharded.lookup import REMEASURE_ROUNDS, choose_pooling
+
+    assert choose_pooling("auto", [(0, 0), (0, 0)], 0) is None            # nothing measured: keep rows
+    assert choose_pooling("auto", [(0, 700), (800, 900)], 1) is False     # a rank has not timed rows
+    assert choose_pooling("auto", [(900, 0), (800, 0)], 2) is True        # rows known everywhere: try pooled
+    assert choose_pooling("auto", [(900, 700), (800, 0)], 3) is True      # one rank has not timed pooled yet
+    assert choose_pooling("auto", [(900, 700), (800, 1200)], 4) is False  # 1700 rows < 1900 pooled
+    assert choose_pooling("auto", [(900, 700), (800, 900), (0, 0)], 5) is True   # a rank without lookups abstains
+    assert choose_pooling("auto", [(900, 700), (800, 1200)], REMEASURE_ROUNDS - 1) is True  # re-measure the other
+    assert choose_pooling("bytes", [(100, 40), (100, 80)], 0) is True and choose_pooling("bytes", [(0, 0)], 0) is None
+    assert choose_pooling("always", [(1, 2)], 0) is None and choose_pooling("never", [(1, 2)], 0) is None

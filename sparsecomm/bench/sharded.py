@@ -457,8 +457,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=2048, help="bags per rank (default 2048)")
     p.add_argument("--pooling", default="20", help="ids per bag, or a comma-separated list (default 20)")
     p.add_argument("--alpha", default="1.1", help="Zipf skew of the ids, or a comma-separated list (default 1.1)")
-    p.add_argument("--owner-pooling", choices=("auto", "always", "never"), default="auto",
-                   help="sparsecomm's owner_pooling (default auto: the path that moves fewer bytes)")
+    p.add_argument("--owner-pooling", choices=("auto", "bytes", "always", "never"), default="auto",
+                   help="sparsecomm's owner_pooling (default auto: the path measured faster)")
     p.add_argument("--fused", type=int, choices=(0, 1), default=1,
                    help="1 (default): sparsecomm's optimizer updates in backward, like TorchRec's; 0: in step()")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")

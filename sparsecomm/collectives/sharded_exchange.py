@@ -166,7 +166,7 @@ class TableRequest(NamedTuple):
     owns: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     pooled: Optional[PooledRequest] = None
     weight_dtype: torch.dtype = torch.float32
-    estimates: Tuple[int, int] = (0, 0)
+    estimates: Tuple[int, int] = (0, 0)     # this rank's cost of the rows and the pooled path (non-negative ints)
 
 
 class Routes(NamedTuple):
@@ -189,8 +189,9 @@ class Routes(NamedTuple):
         rows_recv: per table, rows this rank serves each requester.
         pooled: per table, per requester, the :class:`PooledPart` it sent, or
             None (rows path).
-        estimates: per table, the wire bytes of the rows and the pooled path
-            summed over the ranks (equal on every rank): the next round's choice.
+        estimates: per table, every rank's two numbers for the rows and the
+            pooled path (what its table's ``owner_pooling`` rule weighs: bytes,
+            or measured microseconds), the same on every rank: the next round's choice.
     """
 
     send: List[List[int]]
@@ -202,7 +203,7 @@ class Routes(NamedTuple):
     rows_send: Optional[List[List[int]]] = None
     rows_recv: Optional[List[List[int]]] = None
     pooled: Optional[List[List[Optional[PooledPart]]]] = None
-    estimates: Optional[List[Tuple[int, int]]] = None
+    estimates: Optional[List[List[Tuple[int, int]]]] = None
 
 
 def world(group: Optional[dist.ProcessGroup] = None) -> Tuple[int, int]:
@@ -508,8 +509,7 @@ def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, 
                  for t in range(len(requests))]
     rows_recv = [[int(bags[t, r, me]) if paths[t][r] else recv[t][r] for r in range(n)]
                  for t in range(len(requests))]
-    estimates = [(sum(m.pooled[t][2] for m in rows), sum(m.pooled[t][3] for m in rows))
-                 for t in range(len(requests))]
+    estimates = [[(m.pooled[t][2], m.pooled[t][3]) for m in rows] for t in range(len(requests))]
     return Routes(send, recv, requested, present, problem, largest, rows_send, rows_recv, pooled_parts, estimates)
 
 
@@ -530,7 +530,7 @@ def _local_routes(requests: Sequence[TableRequest], send: List[List[int]]) -> Ro
                                  _unpack(w[wp + wl:], r.weight_dtype, occ) if pr.weight_bytes else None)])
         rows.append([bg])
     return Routes(send, send, [r.ids_by_owner.to(torch.int64) for r in requests], [r.present for r in requests],
-                  None, 0, rows, rows, parts, [tuple(r.estimates) for r in requests])
+                  None, 0, rows, rows, parts, [[tuple(r.estimates)] for r in requests])
 
 
 def _exchange_blocks(blocks: List[torch.Tensor], send: Sequence[Sequence[int]], recv: Sequence[Sequence[int]],

@@ -389,14 +389,17 @@ class ShardedEmbeddingBag(_ShardedTable):
         padding_idx: as ``nn.EmbeddingBag``: excluded from its bag (and from
             the mean's count); the row never receives a gradient.
         owner_pooling: who pools a ``"sum"``/``"mean"`` lookup.
-            ``"auto"`` (default): each round picks the path that moves fewer
-            bytes, from the previous round's estimates summed over the ranks
-            (the same choice on every rank; the first round takes rows);
             ``"always"``: the owners pool the rows they hold and send one
             partial bag per bag back (backward: one gradient row per bag);
             ``"never"``: the owners send the batch's unique rows and the
-            requester pools them. ``"max"``, per-sample weights that require
-            grad, and a table looked up twice in one round always take rows.
+            requester pools them; ``"auto"`` (default): measure both (each
+            rank times its rounds: three take rows, three are pooled, the
+            first of each not counted), then take the one that was faster
+            summed over the ranks, re-measuring the other every 64 rounds; ``"bytes"``: take the one
+            that moves fewer bytes. Both automatic rules decide from every
+            rank's numbers in the last round's metadata, so every rank makes
+            the same choice. ``"max"``, per-sample weights that require grad,
+            and a table looked up twice in one round always take rows.
             ``stats.pooled_lookups`` / ``stats.row_lookups`` count each path.
         **kwargs: ``scheme``, ``group``, ``grad_reduction``, ``seed``,
             ``dtype``, ``device`` as :class:`ShardedEmbedding`.
@@ -409,8 +412,8 @@ class ShardedEmbeddingBag(_ShardedTable):
                  **kwargs) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"mode must be 'sum', 'mean' or 'max', got {mode!r}")
-        if owner_pooling not in ("auto", "always", "never"):
-            raise ValueError(f"owner_pooling must be 'auto', 'always' or 'never', got {owner_pooling!r}")
+        if owner_pooling not in ("auto", "bytes", "always", "never"):
+            raise ValueError(f"owner_pooling must be 'auto', 'bytes', 'always' or 'never', got {owner_pooling!r}")
         super().__init__(num_embeddings, embedding_dim, padding_idx, **kwargs)
         self.mode = mode
         self.include_last_offset = include_last_offset

@@ -30,6 +30,7 @@ round do sends zero rows (lazy optimizers then see a zero gradient for those row
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -42,7 +43,7 @@ from sparsecomm.collectives.sharded_exchange import (STATUS_OK, PooledRequest, R
                                                      pack_words, pull_rows, request_rows, world)
 from sparsecomm.types import SparseSyncStats
 
-__all__ = ["Bags", "Lookup", "TableSet", "group_tables", "flush", "pool_rows"]
+__all__ = ["Bags", "Lookup", "TableSet", "group_tables", "flush", "pool_rows", "choose_pooling"]
 
 # Beyond this many ids per owner, a second all-to-all costs less than the padding could.
 _MAX_CAPACITY = 1 << 16
@@ -164,14 +165,14 @@ class _Table:
     (times ``grad_scale``): one bag per slot.
     """
 
-    __slots__ = ("unique", "part", "inverses", "pad", "pooled", "bag_rows", "bag_counts", "bags",
+    __slots__ = ("unique", "part", "inverses", "pad", "pooled", "timed", "bag_rows", "bag_counts", "bags",
                  "grad_slots", "grad_ids", "grad_offsets", "grad_rows", "grad_scale")
 
     def __init__(self) -> None:
         self.unique = self.part = None
         self.inverses: List[torch.Tensor] = []
         self.pad: Optional[int] = None
-        self.pooled = False
+        self.pooled = self.timed = False
         self.bag_rows = self.bag_counts = self.bags = None
         self.grad_slots = self.grad_ids = self.grad_offsets = self.grad_rows = self.grad_scale = None
 
@@ -181,14 +182,19 @@ class _Round(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, table_set: "TableSet", state: Dict[str, Any], *weights: torch.Tensor):
+        start = time.perf_counter()
         rows, routes, tables = table_set._pull(state)
         ctx.table_set, ctx.routes, ctx.tables = table_set, routes, tables
+        ctx.pull_seconds = time.perf_counter() - start
         ctx.set_materialize_grads(False)
         return tuple(rows)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *ctx.table_set._push(ctx.routes, ctx.tables, grads))
+        start = time.perf_counter()
+        out = ctx.table_set._push(ctx.routes, ctx.tables, grads)
+        ctx.table_set._record(ctx.tables, ctx.pull_seconds + time.perf_counter() - start)
+        return (None, None, *out)
 
 
 class TableSet:
@@ -222,9 +228,11 @@ class TableSet:
         # round): the last round's largest count + 1/8 + 8, the same on every rank; 0 before the first round.
         self.capacity = 0
         self._open: List[Lookup] = []
-        # Per bag table with owner_pooling="auto": whether its next lookup is pooled at the owners, decided
-        # from the last round's byte estimates summed over the ranks (so the same on every rank).
+        # Per bag table with owner_pooling "auto"/"bytes": whether its next lookup is pooled at the owners,
+        # decided from every rank's numbers in the last round's metadata (so the same on every rank).
         self._pool_next: Dict[int, bool] = {}
+        # Per table ("auto"): this rank's rounds and measured round time (microseconds, averaged), rows and pooled.
+        self._timing: Dict[int, List[float]] = {}
 
     def submit(self, lookup: Lookup) -> torch.Tensor:
         """Add a lookup to the open round; its result, or a placeholder when the set is lazy."""
@@ -262,9 +270,29 @@ class TableSet:
         if not ok or len(ids) != 1 or ids[0].bags is None:
             return None
         choice = getattr(t, "owner_pooling", "never")
-        if choice == "always" or (choice == "auto" and self._pool_next.get(id(t), False)):
+        if choice == "always" or (choice in ("auto", "bytes") and self._pool_next.get(id(t), False)):
             return ids[0]
         return None
+
+    def _measured(self, t: Any) -> Tuple[int, int]:
+        """This rank's measured round time (microseconds) by rows and pooled, 0 where not measured yet."""
+        timing = self._timing.get(id(t), [0, 0.0, 0, 0.0])
+        return int(timing[1]), int(timing[3])
+
+    def _record(self, tables: List[_Table], seconds: float) -> None:
+        """Average a finished round's time (pull + push) into the path each "auto" table took.
+
+        The first round of each path is not counted (it pays for first-touch buffers and warm-up).
+        """
+        for t, info in zip(self.tables, tables):
+            if not info.timed:
+                continue
+            timing = self._timing.setdefault(id(t), [0, 0.0, 0, 0.0])   # rounds, us (rows); rounds, us (pooled)
+            at = 2 * int(info.pooled)
+            timing[at] += 1
+            if timing[at] >= 2:
+                us = max(1.0, seconds * 1e6)
+                timing[at + 1] = us if not timing[at + 1] else 0.5 * (timing[at + 1] + us)
 
     def _pull(self, state: Dict[str, Any]) -> Tuple[List[torch.Tensor], Routes, List[_Table]]:
         lookups: List[Lookup] = state["lookups"]
@@ -293,8 +321,12 @@ class TableSet:
             t.stats.rows_in += int(flat.numel())
             t.stats.row_lookups += len(lks)
             estimates = (0, 0)
-            if ok and len(lks) == 1 and lks[0].bags is not None and getattr(t, "owner_pooling", "never") == "auto":
-                estimates = _estimates(t, info, inverse, lks[0].bags, me)
+            choice = getattr(t, "owner_pooling", "never")
+            if ok and len(lks) == 1 and lks[0].bags is not None:
+                if choice == "bytes":
+                    estimates = _estimates(t, info, inverse, lks[0].bags, me)
+                elif choice == "auto":
+                    estimates, info.timed = self._measured(t), True
             requests.append(TableRequest(info.part.ids, info.part.counts, t.fingerprint(), t.num_embeddings,
                                          t.layout.num_local, bool(lks), t.layout.owns,
                                          weight_dtype=t.local_weight.dtype, estimates=estimates))
@@ -302,9 +334,10 @@ class TableSet:
                               round=self.rounds, group=self.group, stats=self.stats, capacity=self.capacity)
         self.rounds += 1
         self.capacity = min(_MAX_CAPACITY, routes.largest + routes.largest // 8 + 8)
-        for t, (rows_bytes, pooled_bytes) in zip(self.tables, routes.estimates):
-            if rows_bytes or pooled_bytes:  # the same sums on every rank: the same choice everywhere
-                self._pool_next[id(t)] = pooled_bytes < rows_bytes
+        for t, per_rank in zip(self.tables, routes.estimates):
+            nxt = choose_pooling(getattr(t, "owner_pooling", "never"), per_rank, self.rounds)
+            if nxt is not None:  # every rank holds the same numbers: the same choice everywhere
+                self._pool_next[id(t)] = nxt
         served = [self._serve(t, i, info, requested, parts, routes)
                   for i, (t, info, requested, parts) in enumerate(zip(self.tables, tables, routes.requested,
                                                                       routes.pooled))]
@@ -352,7 +385,9 @@ class TableSet:
         w_split = torch.split(w, occ_counts) if w is not None else [None] * n
         words = [pack_words(p, ln, *([x] if x is not None else [])) for p, ln, x in zip(positions, len_split, w_split)]
         weight_bytes = t.local_weight.element_size() if w is not None else 0
-        estimates = _pooled_estimates(t, counts, occ.counts, bag_counts, weight_bytes, me)
+        info.timed = t.owner_pooling == "auto"
+        estimates = _pooled_estimates(t, counts, occ.counts, bag_counts, weight_bytes, me) \
+            if t.owner_pooling == "bytes" else self._measured(t) if info.timed else (0, 0)
         return TableRequest(info.unique, counts, t.fingerprint(), t.num_embeddings, t.layout.num_local, True,
                             t.layout.owns, PooledRequest(occ.counts, bag_counts, words, weight_bytes),
                             t.local_weight.dtype, estimates)
@@ -477,6 +512,40 @@ class _PoolRows(torch.autograd.Function):
 def pool_rows(rows: torch.Tensor, inverse: torch.Tensor, bags: Bags, pad: Optional[int]) -> torch.Tensor:
     """``embedding_bag`` (sum/mean, weights without gradient) of the round's unique ``rows`` at ``inverse``."""
     return _PoolRows.apply(rows, inverse.reshape(-1), bags, pad)
+
+
+# An "auto" table re-measures the path it is not taking every this many rounds.
+REMEASURE_ROUNDS = 64
+
+
+def choose_pooling(choice: str, per_rank: Sequence[Tuple[int, int]], round: int) -> Optional[bool]:
+    """Whether a table's next lookup is pooled at the owners; None: keep the current choice.
+
+    Args:
+        choice: the table's ``owner_pooling``.
+        per_rank: every rank's ``(rows, pooled)`` numbers from the last round's
+            metadata: bytes (``"bytes"``), or measured microseconds per round
+            (``"auto"``; 0 where that rank has not measured the path yet).
+        round: the round just requested (the same on every rank).
+
+    Every rank passes the same numbers, so every rank gets the same answer.
+    ``"auto"`` first measures rows, then pooled (each path's first round is a
+    warm-up, not counted), then takes the faster summed over the ranks, and
+    every ``REMEASURE_ROUNDS`` rounds takes the other path once so that a
+    change in the workload or the machine is seen.
+    """
+    active = [(r, p) for r, p in per_rank if r or p]
+    if choice == "bytes":
+        rows, pooled = sum(r for r, _ in active), sum(p for _, p in active)
+        return pooled < rows if active else None
+    if choice != "auto" or not active:
+        return None
+    if any(r == 0 for r, _ in active):
+        return False
+    if any(p == 0 for _, p in active):
+        return True
+    faster = sum(p for _, p in active) < sum(r for r, _ in active)
+    return (not faster) if round % REMEASURE_ROUNDS == REMEASURE_ROUNDS - 1 else faster
 
 
 def _pool(partials: torch.Tensor, info: _Table) -> torch.Tensor:
