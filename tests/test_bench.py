@@ -209,13 +209,15 @@ def test_sharded_without_torchrec_lists_it_as_skipped_and_exits_0(tmp_path):
     if importlib.util.find_spec("torchrec") is not None:
         pytest.skip("TorchRec is installed: its column runs")
     js = tmp_path / "sharded.json"
-    out = _bench(["sharded", "--nproc", "2", "--rows", "4000", "--dim", "8", "--batch", "32", "--pooling", "4",
+    out = _bench(["sharded", "--nproc", "2", "--rows", "4000", "--dim", "8", "--batch", "32", "--pooling", "1,4",
                   "--warmup", "2", "--iters", "2", "--timeout", "60", "--json", str(js)])
     assert out.returncode == 0, _fail(out)
-    rows = _rows(js)
+    every = _rows(js)
+    assert [r["bag"] for r in every] == [1] * 4 + [4] * 4  # both bag sizes in one launch, torchrec skipped in each
+    rows = every[4:]
     assert [r["method"] for r in rows] == ["sparsecomm_hash", "sparsecomm_range", "ddp_replicated", "torchrec"]
     assert "TorchRec is not installed" in rows[-1]["skipped"] and "#wrong" not in rows[-1]
-    assert all(r["#wrong"] == 0 and r["step_ms"] > 0 for r in rows[:-1]), rows
+    assert all(r["#wrong"] == 0 and r["step_ms"] > 0 for r in every if "skipped" not in r), every
     assert rows[0]["vs_best_peer"] > 0 and rows[2]["vs_best_peer"] == ""  # a peer has no speed-up vs itself
     assert "torchrec skipped" in out.stderr and "timing 3 methods" in out.stderr
     assert "TorchRec is not installed" in out.stdout  # in the table, not only in a log line

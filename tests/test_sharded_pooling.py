@@ -198,9 +198,20 @@ def runs(world):
     return run_ranks(world, _worker, join_timeout_s=240)
 
 
-# World 2 in the default suite; 1 and 3 (about 30 s) with the slow tests.
+# The spawned runs (about 45 s) are slow tests; the default suite trains in this process (a world of one).
 SLOW = pytest.mark.slow
-WORLD_PARAMS = [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)]
+WORLD_PARAMS = [pytest.param(w, marks=SLOW) for w in WORLDS]
+
+
+@pytest.mark.parametrize("pooling", ["always", "never", "bytes"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_in_one_process_every_path_trains_like_nn_embedding_bag(pooling, fused):
+    variant = dict(mode="mean", psw=False, padding=3, long_bags=True)
+    check(train(0, 1, torch.float64, pooling=pooling, fused=fused, **variant),
+          reference(0, 1, torch.float64, **variant), torch.float64, f"{pooling} fused={fused}")
+    variant = dict(mode="sum", psw=True, last_offset=True)
+    check(train(0, 1, torch.float64, pooling=pooling, fused=fused, opt="adagrad", **variant),
+          reference(0, 1, torch.float64, opt="adagrad", **variant), torch.float64, f"{pooling} fused={fused} psw")
 
 
 @pytest.mark.parametrize("world", WORLD_PARAMS)
@@ -218,7 +229,7 @@ def test_fused_optimizers_train_like_unfused_ones(world):
     assert all(runs(world)[r]["fused"] for r in range(world))
 
 
-@pytest.mark.parametrize("world", WORLD_PARAMS[1:])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=SLOW) for w in WORLDS[1:]])
 def test_bytes_rule_pools_long_bags_and_not_single_ids(world):
     for r in range(world):
         long_pooled, single_pooled = runs(world)[r]["bytes"]

@@ -443,8 +443,9 @@ def _rows(a, n: int, names: Sequence[str], everyone: Sequence[Dict[str, Any]], r
                     **{"#wrong": int(sum(p["wrong"] for p in per))})
         out.append(Row(cols))
     for name, why in getattr(a, "skipped", {}).items():
-        out.append(Row({"world": n, "table": f"{a.rows}x{a.dim}", "bags/rank": f"{a.batch}x{a.pooling}",
-                        "union": len(ref.rows0), "method": name, "skipped": why}))
+        out.append(Row({"world": n, "alpha": a.alpha, "bag": a.pooling, "table": f"{a.rows}x{a.dim}",
+                        "bags/rank": f"{a.batch}x{a.pooling}", "union": len(ref.rows0), "method": name,
+                        "skipped": why}))
     return out
 
 
