@@ -186,11 +186,75 @@ def case_fused_equals_unfused(rank, world):
     return True
 
 
+def prefetch_loop(rank, world, pooling, prefetching, fused=False, two_tables=False):
+    """Train with the next batch's ids exchanged early (or not): outputs per step and the final tables.
+
+    The prefetch of batch t+1 is issued after batch t's forward and before
+    its backward and step, so batch t+1's rows must be pulled after the update.
+    """
+    tables = [sh.ShardedEmbeddingBag(V, D, mode="sum", owner_pooling=pooling, _weight=initial(torch.float64),
+                                     dtype=torch.float64, seed=0) for _ in range(2 if two_tables else 1)]
+    opts = [sh.ShardedAdagrad(t, lr=0.3, fused=fused) for t in tables]
+    if two_tables:
+        holder = nn.Module()
+        holder.a, holder.b = tables
+        sh.group_tables(holder)
+    batches = [batch(rank, step, torch.float64, True) for step in range(STEPS)]
+
+    def calls(step):
+        ids, offsets, psw, _ = batches[step]
+        return [(t, (ids, offsets, psw)) for t in tables]
+
+    handles = sh.prefetch(*calls(0)) if prefetching else None
+    outs = []
+    for step in range(STEPS):
+        args = handles if prefetching else [c[1] for c in calls(step)]
+        out = sum(t(*(a,) if prefetching else a) for t, a in zip(tables, args))
+        if prefetching and step + 1 < STEPS:
+            handles = sh.prefetch(*calls(step + 1))
+        (out * batches[step][3]).sum().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        outs.append(out.detach())
+    return outs, [t.full_weight() for t in tables]
+
+
+def case_prefetch(rank, world):
+    """Prefetched lookups train exactly as plain ones (rows pulled after each update), alone and grouped."""
+    for pooling in ("never", "always"):
+        for fused in (False, True):
+            for two in (False, True):
+                plain = prefetch_loop(rank, world, pooling, False, fused, two)
+                early = prefetch_loop(rank, world, pooling, True, fused, two)
+                for a, b in zip(plain[0] + plain[1], early[0] + early[1]):
+                    assert torch.equal(a, b), f"prefetch {pooling} fused={fused} two={two}: differs from plain"
+    # One table: the same as one process on every rank's batch (Adagrad).
+    want = reference(rank, world, torch.float64, "sum", psw=True, opt="adagrad", long_bags=True)
+    got = prefetch_loop(rank, world, "always", True)
+    check((got[0], got[1][0]), want, torch.float64, "prefetch vs single process")
+    # A prefetch left unused is ended by the next plain lookup; a bad prefetched input raises on every rank.
+    emb = sh.ShardedEmbeddingBag(V, D, mode="sum", _weight=initial(torch.float64), dtype=torch.float64, seed=0)
+    ids = torch.tensor([[1, 2], [3, 4]])
+    emb.prefetch(ids)
+    assert torch.allclose(emb(ids), initial(torch.float64)[ids].sum(1))
+    bad = emb.prefetch(torch.tensor([[1, V]]) if rank == 0 else ids)
+    try:
+        emb(bad)
+    except ValueError as e:
+        assert "outside" in str(e) or "rank 0" in str(e), e
+    else:
+        raise AssertionError("a bad prefetched id must raise")
+    assert torch.allclose(emb(ids), initial(torch.float64)[ids].sum(1))
+    return True
+
+
 def _worker(rank, world):
     return run_cases(rank, world, (("paths", case_paths_match_single_process, ()),
                                    ("bytes", case_bytes_rule, ()),
                                    ("psw_grad", case_psw_with_grad_takes_rows, ()),
-                                   ("fused", case_fused_equals_unfused, ())))
+                                   ("fused", case_fused_equals_unfused, ()),
+                                   ("prefetch", case_prefetch, ())))
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,6 +291,15 @@ def test_per_sample_weights_with_gradient_take_the_rows_path(world):
 @pytest.mark.parametrize("world", WORLD_PARAMS)
 def test_fused_optimizers_train_like_unfused_ones(world):
     assert all(runs(world)[r]["fused"] for r in range(world))
+
+
+@pytest.mark.parametrize("world", WORLD_PARAMS)
+def test_prefetched_lookups_train_exactly_like_plain_ones(world):
+    assert all(runs(world)[r]["prefetch"] for r in range(world))
+
+
+def test_in_one_process_prefetch_trains_like_plain_lookups():
+    assert case_prefetch(0, 1)
 
 
 @pytest.mark.parametrize("world", [pytest.param(w, marks=SLOW) for w in WORLDS[1:]])

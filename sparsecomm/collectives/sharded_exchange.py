@@ -55,7 +55,7 @@ from sparsecomm.types import SparseSyncStats
 __all__ = [
     "STATUS_OK", "STATUS_ID_RANGE", "STATUS_BAD_INPUT", "FINGERPRINT_LEN", "MAX_OCCURRENCES", "TableRequest",
     "PooledRequest", "PooledPart", "Routes", "pack_words", "words_for", "pooled_words",
-    "world", "sharded_group", "request_rows", "pull_rows", "exchange_rows", "allgather_table_rows",
+    "world", "sharded_group", "request_rows", "start_request", "finish_request", "PendingRequest", "pull_rows", "exchange_rows", "allgather_table_rows",
     "all_gather_objects", "barrier", "agree", "broadcast_int",
 ]
 
@@ -386,11 +386,32 @@ def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, 
     peer-major, in the widest table's wire dtype. Padded ids are read only
     after the counts that say how many there are passed the checks.
     """
+    return finish_request(start_request(requests, status=status, detail=detail, message=message, round=round,
+                                        group=group, stats=stats, capacity=capacity))
+
+
+class PendingRequest:
+    """A :func:`start_request` whose first all-to-all may still be in flight; :func:`finish_request` ends it."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+
+def start_request(requests: Sequence[TableRequest], *, status: int, detail: int, message: str, round: int,
+                  group: Optional[dist.ProcessGroup], stats: Optional[SparseSyncStats] = None, capacity: int = 0,
+                  async_op: bool = False) -> PendingRequest:
+    """The first half of :func:`request_rows`: build the metadata message and send it.
+
+    With ``async_op`` the all-to-all runs in the background (the process
+    group's own thread) until :func:`finish_request`, so a lookup's id
+    exchange can overlap other work; every rank must start and finish the
+    same requests in the same order, as with any collective.
+    """
     send = [[int(c) for c in r.counts.tolist()] for r in requests]
+    common = dict(requests=requests, send=send, status=status, message=message, group=group, stats=stats,
+                  capacity=capacity)
     if group is None:
-        if status != STATUS_OK:
-            raise ValueError(message)
-        return _local_routes(requests, send)
+        return PendingRequest(**common)
     me, n = world(group)
     dev = comm_device(group, requests[0].ids_by_owner.device)
     per_table = 2 + FINGERPRINT_LEN + n + _POOL_HEAD + 2 * n + 2
@@ -420,7 +441,30 @@ def request_rows(requests: Sequence[TableRequest], *, status: int, detail: int, 
             full[j, head:head + mine.numel()] = mine
     # Every rank sends ``width`` columns (known to all): its whole row when it fits, else only its header,
     # which says how many columns it needs; then every rank resends at the largest need.
-    (recv_meta,) = all_to_all_rows([full[:, :width]], [1] * n, [1] * n, group, dev, stats)
+    work = recv_meta = message_out = None
+    if async_op:
+        message_out = full[:, :width].contiguous().to(dev)   # kept in the pending request until the wait
+        recv_meta = torch.empty_like(message_out)
+        count_bytes(stats, [width * 8] * n, [width * 8] * n, me, None)
+        work = dist.all_to_all_single(recv_meta, message_out, group=group, async_op=True)
+    else:
+        (recv_meta,) = all_to_all_rows([full[:, :width]], [1] * n, [1] * n, group, dev, stats)
+    return PendingRequest(**common, me=me, n=n, dev=dev, per_table=per_table, head=head, pieces=pieces, key=key,
+                          width=width, full=full, recv_meta=recv_meta, work=work, message_out=message_out)
+
+
+def finish_request(p: PendingRequest) -> Routes:
+    """The second half of :func:`request_rows` (waits for :func:`start_request`'s all-to-all): the checked routes."""
+    requests, send, status, message, group, stats = p.requests, p.send, p.status, p.message, p.group, p.stats
+    if group is None:
+        if status != STATUS_OK:
+            raise ValueError(message)
+        return _local_routes(requests, send)
+    if p.work is not None:
+        p.work.wait()
+        p.work = None
+    me, n, dev, per_table, head, pieces, key, width, full, recv_meta, capacity = (
+        p.me, p.n, p.dev, p.per_table, p.head, p.pieces, p.key, p.width, p.full, p.recv_meta, p.capacity)
     needs = recv_meta[:, 5].tolist()
     bad = next((r for r, w in enumerate(needs) if not _META_HEAD <= w <= _MAX_WIDTH), None)
     if bad is not None:

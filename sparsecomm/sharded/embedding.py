@@ -41,7 +41,7 @@ from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.sharded.lookup import Bags, Lookup, TableSet, pool_rows
 from sparsecomm.types import PartitionScheme, SparseSyncStats
 
-__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "sharded_modules"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "Prefetched", "prefetch", "sharded_modules"]
 
 STATE_FORMAT = "sparsecomm.sharded.table/1"
 # Rows are initialized in fixed chunks, each from its own seeded generator, so
@@ -186,6 +186,29 @@ class _ShardedTable(nn.Module):
                     STATUS_ID_RANGE, bad,
                     f"{name}: input contains id {bad}, outside [0, {self.num_embeddings}); nothing was exchanged")
         return flat.to(torch.int64), (STATUS_OK, 0, "")
+
+    def prefetch(self, *args: Any, **kwargs: Any) -> "Prefetched":
+        """Start the id exchange of this table's next lookup now; returns the handle to call the table with.
+
+        ``table.prefetch(ids, ...)`` takes the arguments of ``forward``. The
+        ids travel to their owners in the background (the group's thread)
+        while this rank goes on, e.g. with backward and ``step()`` of the
+        current batch; ``table(handle)`` later finishes the lookup and pulls
+        the rows then, so they include every update made in between.
+        Collective, like a lookup: every rank prefetches the same tables in
+        the same order. For several tables grouped by ``group_tables`` (one
+        round), use :func:`prefetch` with all of the round's lookups.
+        """
+        return prefetch((self, args, kwargs))[0]
+
+    def _take(self, handle: "Prefetched") -> Lookup:
+        if handle.table is not self:
+            raise ValueError(f"{type(self).__name__}: this prefetch handle belongs to another table")
+        if handle.used:
+            raise ValueError(f"{type(self).__name__}: a prefetch handle can be looked up once")
+        handle.used = True
+        handle.lookup.grad_enabled = torch.is_grad_enabled()
+        return handle.lookup
 
     def fingerprint(self) -> Tuple[int, int, int, int]:
         """Ints every rank's lookup of this table must agree on: shape, construction order, kind."""
@@ -360,13 +383,16 @@ class ShardedEmbedding(_ShardedTable):
                 ``[0, num_embeddings)`` or a non-integer input (no rows move,
                 the table stays usable), or ranks call different tables.
         """
+        return self._set.submit(self._take(input) if isinstance(input, Prefetched) else self._lookup(input))
+
+    def _lookup(self, input: torch.Tensor) -> Lookup:
         flat, status = self._check_input(input)
         shape = tuple(input.shape) if isinstance(input, torch.Tensor) else (0,)
 
         def finish(rows, inverse, pad):
             return F.embedding(inverse.view(shape), rows, padding_idx=pad)
 
-        return self._set.submit(Lookup(self, flat, status, finish, shape + (self.embedding_dim,)))
+        return Lookup(self, flat, status, finish, shape + (self.embedding_dim,))
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor, freeze: bool = True, padding_idx: Optional[int] = None,
@@ -465,6 +491,12 @@ class ShardedEmbeddingBag(_ShardedTable):
             ValueError: on every rank, for an id out of range or a malformed
                 input/offsets on any rank (nothing moves; the table stays usable).
         """
+        if isinstance(input, Prefetched):
+            return self._set.submit(self._take(input))
+        return self._set.submit(self._lookup(input, offsets, per_sample_weights))
+
+    def _lookup(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> Lookup:
         flat, status = self._check_input(input)
         problem = self._check_bag_input(input, offsets, per_sample_weights) if status[0] == STATUS_OK else None
         if problem:
@@ -494,7 +526,7 @@ class ShardedEmbeddingBag(_ShardedTable):
                                    per_sample_weights=per_sample_weights,
                                    include_last_offset=self.include_last_offset, padding_idx=pad)
 
-        return self._set.submit(Lookup(self, flat, status, finish, (bags, self.embedding_dim), pooling))
+        return Lookup(self, flat, status, finish, (bags, self.embedding_dim), pooling)
 
     def _bag_lengths(self, input: torch.Tensor, offsets: Optional[torch.Tensor], n: int) -> torch.Tensor:
         """Ids per bag (the flat ids are the bags' ids one bag after the other)."""
@@ -508,6 +540,59 @@ class ShardedEmbeddingBag(_ShardedTable):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
+
+
+class Prefetched:
+    """A lookup whose id exchange has started (:func:`prefetch`); call its table with it to finish the lookup."""
+
+    __slots__ = ("table", "lookup", "used")
+
+    def __init__(self, table: "_ShardedTable", lookup: Lookup) -> None:
+        self.table, self.lookup, self.used = table, lookup, False
+
+
+def prefetch(*calls: Tuple[Any, ...]) -> List[Prefetched]:
+    """Start one round's id exchange now, for lookups made later (pipelining the next batch's ids).
+
+    Args:
+        *calls: ``(table, args)`` or ``(table, args, kwargs)`` per lookup of
+            the round, in the order the model will make them; ``args`` and
+            ``kwargs`` are what the table's ``forward`` takes. The tables
+            share one round: a table alone, or the tables of one
+            ``group_tables`` set.
+
+    Returns:
+        One handle per call: the model calls each table with its handle
+        instead of the ids (``table(handle)``), in the same order. Rows are
+        pulled when the round runs then, so they reflect every optimizer
+        step taken in between (training stays exact); only the ids moved early.
+
+    Collective: every rank prefetches the same tables in the same order. An
+    input error is reported when the round runs, on every rank. A prefetched
+    round that is never used is ended (unused) by the next round of its tables.
+
+    Example::
+
+        >>> nxt = emb.prefetch(batches[0])
+        >>> for t in range(steps):
+        ...     out = emb(nxt)                                   # rows pulled now
+        ...     if t + 1 < steps:
+        ...         nxt = emb.prefetch(batches[t + 1])           # ids travel during backward and step
+        ...     loss_fn(out).backward(); opt.step(); opt.zero_grad()
+    """
+    if not calls:
+        raise ValueError("prefetch needs at least one (table, args) call")
+    handles = []
+    for call in calls:
+        table, args, kwargs = (tuple(call) + ({},))[:3]
+        if not isinstance(table, _ShardedTable):
+            raise TypeError(f"prefetch takes (sharded table, args[, kwargs]) calls, got {type(table).__name__}")
+        handles.append(Prefetched(table, table._lookup(*args, **kwargs)))
+    table_set = handles[0].table._set
+    if any(h.table._set is not table_set for h in handles):
+        raise ValueError("prefetched lookups must share one round: tables of one group_tables set")
+    table_set.prefetch([h.lookup for h in handles])
+    return handles
 
 
 def sharded_modules(model: nn.Module) -> List[Tuple[str, _ShardedTable]]:

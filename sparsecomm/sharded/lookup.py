@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_map
 
 from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import (STATUS_OK, PooledRequest, Routes, TableRequest, exchange_rows,
-                                                     pack_words, pull_rows, request_rows, world)
+                                                     finish_request, pack_words, pull_rows, start_request, world)
 from sparsecomm.types import SparseSyncStats
 
 __all__ = ["Bags", "Lookup", "TableSet", "group_tables", "flush", "pool_rows", "choose_pooling"]
@@ -231,8 +231,25 @@ class TableSet:
         # Per bag table with owner_pooling "auto"/"bytes": whether its next lookup is pooled at the owners,
         # decided from every rank's numbers in the last round's metadata (so the same on every rank).
         self._pool_next: Dict[int, bool] = {}
+        # A round whose id exchange started early (prefetch), waiting for its lookups.
+        self._prefetched: Optional[Dict[str, Any]] = None
         # Per table ("auto"): this rank's rounds and measured round time (microseconds, averaged), rows and pooled.
         self._timing: Dict[int, List[float]] = {}
+
+    def prefetch(self, lookups: Sequence[Lookup]) -> None:
+        """Start the id exchange of a round now, in the background (collective: every rank prefetches alike).
+
+        The round runs when exactly these lookups are submitted, in this order
+        (``table(handle)`` with the handles of :func:`prefetch`): its rows are
+        pulled then, so they include every update made in between.
+        """
+        self.flush()
+        if self._prefetched is not None:  # prefetched but never used: end it (every rank does the same)
+            self._finish(self._prefetched)
+        bad = next((lk.status for lk in lookups if lk.status[0] != STATUS_OK), None)
+        state = {"lookups": list(lookups), "status": bad or (STATUS_OK, 0, "")}
+        self._request(state, async_op=True)
+        self._prefetched = state
 
     def submit(self, lookup: Lookup) -> torch.Tensor:
         """Add a lookup to the open round; its result, or a placeholder when the set is lazy."""
@@ -248,8 +265,14 @@ class TableSet:
         lookups, self._open = self._open, []
         if not lookups:
             return
-        bad = next((lk.status for lk in lookups if lk.status[0] != STATUS_OK), None)
-        state = {"lookups": lookups, "status": bad or (STATUS_OK, 0, "")}
+        state = self._prefetched
+        self._prefetched = None
+        if state is not None and [id(x) for x in state["lookups"]] != [id(x) for x in lookups]:
+            self._finish(state)  # prefetched, then not used as prefetched: end it, unused
+            state = None
+        if state is None:
+            bad = next((lk.status for lk in lookups if lk.status[0] != STATUS_OK), None)
+            state = {"lookups": lookups, "status": bad or (STATUS_OK, 0, "")}
         grad = any(lk.grad_enabled for lk in lookups)
         with torch.set_grad_enabled(grad):
             rows = _Round.apply(self, state, *[t.local_weight for t in self.tables])
@@ -294,7 +317,8 @@ class TableSet:
                 us = max(1.0, seconds * 1e6)
                 timing[at + 1] = us if not timing[at + 1] else 0.5 * (timing[at + 1] + us)
 
-    def _pull(self, state: Dict[str, Any]) -> Tuple[List[torch.Tensor], Routes, List[_Table]]:
+    def _request(self, state: Dict[str, Any], async_op: bool = False) -> None:
+        """Build the round's requests and start its id exchange (in the background with ``async_op``)."""
         lookups: List[Lookup] = state["lookups"]
         status = state["status"]
         ok = status[0] == STATUS_OK
@@ -330,9 +354,22 @@ class TableSet:
             requests.append(TableRequest(info.part.ids, info.part.counts, t.fingerprint(), t.num_embeddings,
                                          t.layout.num_local, bool(lks), t.layout.owns,
                                          weight_dtype=t.local_weight.dtype, estimates=estimates))
-        routes = request_rows(requests, status=status[0], detail=status[1], message=status[2],
-                              round=self.rounds, group=self.group, stats=self.stats, capacity=self.capacity)
+        state["tables"] = tables
+        state["pending"] = start_request(requests, status=status[0], detail=status[1], message=status[2],
+                                         round=self.rounds, group=self.group, stats=self.stats,
+                                         capacity=self.capacity, async_op=async_op)
+
+    def _finish(self, state: Dict[str, Any]) -> Routes:
+        """Wait for a started round's id exchange and check it; the round counts once it passed."""
+        routes = finish_request(state.pop("pending"))
         self.rounds += 1
+        return routes
+
+    def _pull(self, state: Dict[str, Any]) -> Tuple[List[torch.Tensor], Routes, List[_Table]]:
+        if "pending" not in state:  # else prefetched: the id exchange already started
+            self._request(state)
+        tables: List[_Table] = state["tables"]
+        routes = self._finish(state)
         self.capacity = min(_MAX_CAPACITY, routes.largest + routes.largest // 8 + 8)
         for t, per_rank in zip(self.tables, routes.estimates):
             nxt = choose_pooling(getattr(t, "owner_pooling", "never"), per_rank, self.rounds)
@@ -344,7 +381,6 @@ class TableSet:
         got = pull_rows(served, routes, self.group, self.stats)
         rows = [g if info.pooled else torch.empty_like(g).index_copy_(0, info.part.perm, g)
                 for g, info in zip(got, tables)]
-        state["tables"] = tables
         return rows, routes, tables
 
     def _pooled_request(self, t: Any, info: _Table, lk: Lookup, me: int, n: int) -> TableRequest:
