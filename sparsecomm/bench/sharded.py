@@ -9,7 +9,8 @@ machine noise hits all alike:
 
   sparsecomm_hash   ``ShardedEmbeddingBag(scheme="hash", owner_pooling=--owner-pooling)`` +
                     ``ShardedAdagrad(rowwise=True, fused=--fused)`` (defaults: "auto", fused: updated
-                    in backward, as TorchRec's fused optimizer)
+                    in backward, as TorchRec's fused optimizer); ``--prefetch 1`` sends each
+                    step's ids during the previous step (``table.prefetch``)
   sparsecomm_range  the same with ``scheme="range"`` (contiguous blocks, like TorchRec's row-wise)
   torchrec          TorchRec ``EmbeddingBagCollection`` sharded row-wise by
                     ``DistributedModelParallel`` with fbgemm's fused CPU kernel and fused
@@ -194,10 +195,16 @@ class Sparsecomm(Method):
         self.opt = ShardedAdagrad(self.emb, lr=a.lr, eps=a.eps, rowwise=True, fused=bool(a.fused))
         self.ids, self.w = ids, w
         self.steps = 0
+        self.prefetch = bool(getattr(a, "prefetch", 0))
+        self.next = self.emb.prefetch(ids) if self.prefetch else None
 
     def step(self) -> torch.Tensor:
         self.opt.zero_grad()
-        out = self.emb(self.ids)
+        if self.prefetch:  # this step's ids left during the previous step; the next step's leave now
+            out = self.emb(self.next)
+            self.next = self.emb.prefetch(self.ids)
+        else:
+            out = self.emb(self.ids)
         (out * self.w).sum().backward()
         self.opt.step()
         self.steps += 1
@@ -460,6 +467,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--alpha", default="1.1", help="Zipf skew of the ids, or a comma-separated list (default 1.1)")
     p.add_argument("--owner-pooling", choices=("auto", "bytes", "always", "never"), default="auto",
                    help="sparsecomm's owner_pooling (default auto: the path measured faster)")
+    p.add_argument("--prefetch", type=int, choices=(0, 1), default=0,
+                   help="1: sparsecomm sends the next step's ids right after each lookup (table.prefetch), so "
+                        "they travel during backward and the update; default 0")
     p.add_argument("--fused", type=int, choices=(0, 1), default=1,
                    help="1 (default): sparsecomm's optimizer updates in backward, like TorchRec's; 0: in step()")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
