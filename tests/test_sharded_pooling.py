@@ -145,7 +145,8 @@ def case_paths_match_single_process(rank, world):
                 elif pooling == "always":  # a last offset short of the input takes rows (torch's own mean)
                     assert stats.pooled_lookups >= 1 and stats.pooled_lookups + stats.row_lookups == STEPS
                 elif pooling == "auto":  # measures rows first (rounds 0-2; round 0 is a warm-up)
-                    assert (stats.row_lookups, stats.pooled_lookups) == (3, 0), (stats.row_lookups, stats.pooled_lookups)
+                    paths = (stats.row_lookups, stats.pooled_lookups)
+                    assert paths == (3, 0), paths
                 else:  # bytes: the first round takes rows, then the cheaper path by the round's estimates
                     assert stats.row_lookups >= 1 and stats.pooled_lookups + stats.row_lookups == STEPS
                 runs += 1

@@ -55,7 +55,8 @@ from sparsecomm.types import SparseSyncStats
 __all__ = [
     "STATUS_OK", "STATUS_ID_RANGE", "STATUS_BAD_INPUT", "FINGERPRINT_LEN", "MAX_OCCURRENCES", "TableRequest",
     "PooledRequest", "PooledPart", "Routes", "pack_words", "words_for", "pooled_words",
-    "world", "sharded_group", "request_rows", "start_request", "finish_request", "PendingRequest", "pull_rows", "exchange_rows", "allgather_table_rows",
+    "world", "sharded_group", "request_rows", "start_request", "finish_request", "PendingRequest", "pull_rows",
+    "exchange_rows", "allgather_table_rows",
     "all_gather_objects", "barrier", "agree", "broadcast_int",
 ]
 
