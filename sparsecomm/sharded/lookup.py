@@ -65,6 +65,10 @@ class Bags:
     def __init__(self, num_bags: int, mode: str, lengths: torch.Tensor, weights: Optional[torch.Tensor]) -> None:
         self.num_bags, self.mode, self.lengths, self.weights = num_bags, mode, lengths, weights
 
+    def counts(self, bag_of: torch.Tensor) -> torch.Tensor:
+        """``(num_bags,)`` int64: how many of the ids with bags ``bag_of`` (all >= 0) each bag holds."""
+        return torch.bincount(bag_of, minlength=self.num_bags)[:self.num_bags]
+
     def bag_of(self, n: int) -> torch.Tensor:
         """``(n,)`` int64: each flat id's bag, -1 for ids in no bag."""
         lengths = self.lengths
@@ -397,7 +401,7 @@ class TableSet:
             weights = weights[keep] if weights is not None else None
         t.stats.rows_in += int(flat.numel())
         info.pooled, info.bags = True, bags
-        info.bag_counts = torch.bincount(bag_of, minlength=bags.num_bags)[:bags.num_bags] if bags.mode == "mean" \
+        info.bag_counts = bags.counts(bag_of) if bags.mode == "mean" \
             else None
         # Occurrences grouped by owner, bag order kept inside an owner (the partition is stable); per owner,
         # its distinct ids (sorted) and each occurrence's position among them.
@@ -466,11 +470,9 @@ class TableSet:
         # Backward sums, per distinct slot, its occurrences' gradient rows: with the occurrences sorted by slot
         # (stable: input order inside a slot), that is an embedding_bag over the few gradient rows.
         targets = torch.cat(targets)
-        order = torch.argsort(targets, stable=True)
+        order, info.grad_offsets = _group_by(targets, info.grad_slots.numel())
         info.grad_rows = torch.cat(sources)[order]
         info.grad_scale = torch.cat(scales)[order] if any_weights else None
-        per_slot = torch.bincount(targets, minlength=info.grad_slots.numel())
-        info.grad_offsets = torch.cumsum(per_slot, 0) - per_slot
         return torch.cat(pieces)
 
     def _push(self, routes: Routes, tables: List[_Table], grads: Sequence[Optional[torch.Tensor]]
@@ -502,6 +504,18 @@ class TableSet:
                                     per_sample_weights=info.grad_scale)
             out.append(t._owner_gradient(info.grad_slots, info.grad_ids, g, coalesced=coalesced))
         return out
+
+
+def _group_by(index: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(order, offsets)``: positions sorted by ``index`` (stable), and where each of ``size`` groups starts.
+
+    With them, ``F.embedding_bag(src[order], rows, offsets, mode="sum")`` sums
+    per group, in input order, the rows ``src`` points at: the gradient of a
+    bag lookup, one group per row.
+    """
+    order = torch.argsort(index, stable=True)
+    count = torch.bincount(index, minlength=size)
+    return order, torch.cumsum(count, 0) - count
 
 
 class _PoolRows(torch.autograd.Function):
@@ -536,11 +550,10 @@ class _PoolRows(torch.autograd.Function):
             weights = weights[keep] if weights is not None else None
         grad = grad.contiguous()
         if bags.mode == "mean":
-            counts = torch.bincount(bag_of, minlength=bags.num_bags)[:bags.num_bags]
+            counts = bags.counts(bag_of)
             grad = grad / counts.clamp(min=1).to(grad.dtype).unsqueeze(1)
-        order = torch.argsort(inverse, stable=True)
-        per_row = torch.bincount(inverse, minlength=ctx.num_rows)
-        rows_grad = F.embedding_bag(bag_of[order], grad, torch.cumsum(per_row, 0) - per_row, mode="sum",
+        order, offsets = _group_by(inverse, ctx.num_rows)
+        rows_grad = F.embedding_bag(bag_of[order], grad, offsets, mode="sum",
                                     per_sample_weights=weights[order] if weights is not None else None)
         return rows_grad, None, None, None
 
