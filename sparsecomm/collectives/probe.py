@@ -2,12 +2,16 @@
 
 The classifier prices a collective in bytes (latency x bandwidth); a constant
 is wrong on every machine but one, so the hook measures it at registration.
+With several ranks per host the bottleneck is the host's link, which its
+ranks share: :func:`measure_link` prices bytes on that link, so the
+classifier can count the bytes that cross it (``cost_model.host_link_bytes``).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -15,46 +19,100 @@ import torch.distributed as dist
 
 from sparsecomm.collectives.groups import comm_device
 
-__all__ = ["measure_latency_bytes"]
+__all__ = ["measure_latency_bytes", "measure_link", "LinkProbe", "alltoall_host_link_bytes"]
 
 
 _MAX_BYTES_PER_S = 100e9  # no link here is faster: keeps a noisy timing from pricing latency absurdly
 _LATENCY_BYTES_RANGE = (1 << 10, 1 << 26)
 
 
-def measure_latency_bytes(group: Optional[dist.ProcessGroup], device: torch.device = torch.device("cpu"),
-                          repeats: int = 5, large_bytes: int = 4 << 20) -> float:
-    """Latency of one tiny all-to-all, in bytes of a large one: the same number on every rank.
+@dataclass(frozen=True)
+class LinkProbe:
+    """What one collective costs on this job's slowest link: the same numbers on every rank.
+
+    Attributes:
+        latency_s: one tiny all-to-all (a collective's round trip), seconds.
+        bytes_per_s: bytes per second through one host's link, measured with
+            a large all-to-all whose bytes on that link are known
+            (:func:`alltoall_host_link_bytes`); with one rank per host, the
+            rank's own bytes.
+        ranks_per_host: the L the bytes were counted with.
+    """
+
+    latency_s: float
+    bytes_per_s: float
+    ranks_per_host: int = 1
+
+    @property
+    def latency_bytes(self) -> float:
+        """The latency in bytes of the link: what :func:`measure_latency_bytes` returns for L = 1."""
+        lo, hi = _LATENCY_BYTES_RANGE
+        return min(hi, max(lo, self.latency_s * self.bytes_per_s))
+
+
+def alltoall_host_link_bytes(world_size: int, ranks_per_host: int, bytes_per_rank: float) -> float:
+    """Bytes one host sends to the others in an all-to-all where each rank sends ``bytes_per_rank`` in all.
+
+    Each rank sends ``bytes_per_rank / N`` to every rank; the L ranks of a
+    host (contiguous) send to the N - L ranks elsewhere: L (N - L) / N x bytes.
+    """
+    n, lws = world_size, max(1, ranks_per_host)
+    if n % lws or lws >= n:
+        lws = 1
+    return lws * (n - lws) / n * bytes_per_rank
+
+
+def _time_alltoall(group, dev, n: int, nbytes: int, repeats: int) -> float:
+    send = torch.zeros(n * max(1, nbytes // n), dtype=torch.uint8, device=dev)
+    recv = torch.empty_like(send)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        dist.all_to_all_single(recv, send, group=group)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torch.device("cpu"),
+                 ranks_per_host: int = 1, repeats: int = 5, large_bytes: int = 4 << 20) -> LinkProbe:
+    """Latency of a tiny all-to-all and bytes/s of a host's link under a large one: the same on every rank.
 
     Collective: every rank of ``group`` calls it together. Takes the median of
     ``repeats`` timings of each size (after one warm-up), then the slowest
     rank's numbers (one all-reduce), so every rank prices collectives alike.
+    ``ranks_per_host`` (L, ranks of a host contiguous in the group) says how
+    many ranks share a host's link: the large all-to-all puts
+    L (N-L)/N x ``large_bytes`` on it.
+    """
+    n = dist.get_world_size(group)
+    if n == 1:
+        return LinkProbe(0.0, _MAX_BYTES_PER_S, 1)
+    lws = ranks_per_host if ranks_per_host and 1 <= ranks_per_host < n and n % ranks_per_host == 0 else 1
+    dev = comm_device(group, device)
+    tiny = _time_alltoall(group, dev, n, 8 * n, repeats)
+    large = _time_alltoall(group, dev, n, large_bytes, repeats)
+    numbers = torch.tensor([tiny, large], dtype=torch.float64, device=dev)
+    dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
+    tiny, large = numbers.tolist()
+    link = alltoall_host_link_bytes(n, lws, n * max(1, large_bytes // n))
+    bytes_per_s = min(_MAX_BYTES_PER_S, link / max(large - tiny, link / _MAX_BYTES_PER_S))
+    return LinkProbe(tiny, bytes_per_s, lws)
+
+
+def measure_latency_bytes(group: Optional[dist.ProcessGroup], device: torch.device = torch.device("cpu"),
+                          repeats: int = 5, large_bytes: int = 4 << 20) -> float:
+    """Latency of one tiny all-to-all, in bytes of a large one: the same number on every rank.
+
+    Collective: every rank of ``group`` calls it together (:func:`measure_link`
+    with one rank per host: bytes are a rank's own).
 
     Returns:
         ``latency_s * bytes_per_s``: the bytes one collective's latency is worth,
         clamped to [1 KiB, 64 MiB].
     """
-    n = dist.get_world_size(group)
-    if n == 1:
+    if dist.get_world_size(group) == 1:
         return 0.0
-    dev = comm_device(group, device)
-
-    def timed(nbytes: int) -> float:
-        send = torch.zeros(n * max(1, nbytes // n), dtype=torch.uint8, device=dev)
-        recv = torch.empty_like(send)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            dist.all_to_all_single(recv, send, group=group)
-            if i:
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    tiny = timed(8 * n)
-    large = timed(large_bytes)
-    numbers = torch.tensor([tiny, large], dtype=torch.float64, device=dev)
-    dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
-    tiny, large = numbers.tolist()
-    per_byte = max((large - tiny) / (large_bytes * (n - 1) / n), 1.0 / _MAX_BYTES_PER_S)
-    lo, hi = _LATENCY_BYTES_RANGE
-    return min(hi, max(lo, tiny / per_byte))
+    return measure_link(group, device, 1, repeats, large_bytes).latency_bytes

@@ -1,4 +1,4 @@
-"""Which path should a sparse gradient take? A byte-based cost model, or a fitted time model (docs/DESIGN.md).
+"""Which path should a sparse gradient take? A bottleneck-link cost model, or a fitted time model (docs/DESIGN.md).
 
 Pure arithmetic over numbers every rank agrees on (the world size, the table,
 the global row counts of the last exchange), so every rank reaches the same
@@ -11,17 +11,22 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Union
 
-from sparsecomm.cost_model import (FittedCost, allgather_bytes, dense_allreduce_bytes, latency_steps,
-                                   load_fitted_cost, partitioned_floor_bytes, tree_bytes)
+from sparsecomm.collectives.probe import LinkProbe
+from sparsecomm.cost_model import (FittedCost, allgather_bytes, dense_allreduce_bytes, host_link_bytes,
+                                   latency_steps, load_fitted_cost, partitioned_floor_bytes, tree_bytes,
+                                   union_rows)
 from sparsecomm.types import SyncMethod
 
-__all__ = ["Decision", "choose_method", "COLLECTIVES_PER_METHOD", "collectives"]
+__all__ = ["Decision", "choose_method", "COLLECTIVES_PER_METHOD", "collectives", "bottleneck_bytes", "host_layout",
+           "method_costs"]
 
-# Round trips each method makes; each is charged `latency_bytes` (latency x bandwidth).
-# Flat partitioned: metadata (+ push counts), push, pull counts, pull.
-# Allgather: metadata + one all-to-all. Torch (gloo's sparse all_reduce): an
-# all-gather of sizes, of ids and of values, each several times the latency of an all-to-all.
-# Tree: metadata, a count and a row message per stage, the verdict: 2 + 2 log2 N (see `collectives`).
+# Round trips each method makes; each is charged the latency of one collective.
+# Flat partitioned: metadata (+ push counts), push, pull counts, pull; two-level
+# (local aggregation first): 9 (``cost_model.latency_steps``). Allgather:
+# metadata + one all-to-all. Densify: the allreduce and its mask. Torch
+# (gloo's sparse all_reduce): three ring all-gathers (sizes, ids, values),
+# N-1 hops each. Tree: metadata, a count and a row message per stage, the
+# verdict: 2 + 2 log2 N (see `collectives`).
 COLLECTIVES_PER_METHOD = {SyncMethod.PARTITIONED: 4, SyncMethod.ALLGATHER: 2, SyncMethod.DENSIFY: 3,
                           SyncMethod.TORCH: 3, SyncMethod.TREE: 6}
 
@@ -30,11 +35,50 @@ _FITTED_NAME = {SyncMethod.PARTITIONED: "partitioned", SyncMethod.ALLGATHER: "al
                 SyncMethod.DENSIFY: "dense", SyncMethod.TORCH: "torch", SyncMethod.TREE: "tree"}
 
 
-def collectives(method: SyncMethod, world_size: int) -> float:
-    """Round trips of ``method`` at ``world_size`` ranks (the tree's grow with log2 N)."""
+def host_layout(world_size: int, ranks_per_host: Optional[int]) -> int:
+    """Ranks per host L the cost model can use: ``ranks_per_host`` if 1 < L < N and L divides N, else 1."""
+    lws = ranks_per_host or 1
+    return lws if 1 < lws < world_size and world_size % lws == 0 else 1
+
+
+def collectives(method: SyncMethod, world_size: int, ranks_per_host: int = 1, local_aggregation: bool = True
+                ) -> float:
+    """Round trips of ``method`` at ``world_size`` ranks (the tree's grow with log2 N, torch's with N)."""
     if method is SyncMethod.TREE:
         return latency_steps("tree", world_size)
+    if method is SyncMethod.TORCH:
+        return latency_steps("torch", world_size)
+    if method is SyncMethod.PARTITIONED and local_aggregation and host_layout(world_size, ranks_per_host) > 1:
+        return latency_steps("two_level", world_size)
     return COLLECTIVES_PER_METHOD[method]
+
+
+def bottleneck_bytes(method: SyncMethod, world_size: int, num_rows: int, row_elems: int, elem_bytes: int,
+                     index_bytes: int, rows_mean: float, union_rows_: float, ranks_per_host: int = 1,
+                     union_node: Optional[float] = None, local_aggregation: bool = True) -> float:
+    """Bytes ``method`` puts on the busiest link: a host's link when L ranks share it, else a rank's own.
+
+    With one rank per host (L = 1) these are the per-rank formulas of
+    :mod:`sparsecomm.cost_model`; with L > 1, ``host_link_bytes`` (the L
+    ranks' bytes to other hosts, added up: they share the link), and the
+    partitioned path is two-level when ``local_aggregation`` is on, as in the
+    hook. ``union_node`` (rows in the union of a host's ranks) defaults to
+    the power-law interpolation :func:`~sparsecomm.cost_model.union_rows`.
+    """
+    n, k, u = world_size, rows_mean, union_rows_
+    lws = host_layout(n, ranks_per_host)
+    row = row_elems * elem_bytes + index_bytes
+    if method is SyncMethod.DENSIFY:  # the table plus a one-byte row mask, whatever the layout
+        return dense_allreduce_bytes(n, num_rows, row_elems * elem_bytes + 1, 1)
+    if lws == 1:
+        return {SyncMethod.PARTITIONED: lambda: partitioned_floor_bytes(n, k, u, row),
+                SyncMethod.ALLGATHER: lambda: allgather_bytes(n, k, row),
+                SyncMethod.TORCH: lambda: allgather_bytes(n, k, row_elems * elem_bytes + 8),  # int64 ids
+                SyncMethod.TREE: lambda: tree_bytes(n, k, u, row)}[method]()
+    name = {SyncMethod.PARTITIONED: "two_level" if local_aggregation else "partitioned",
+            SyncMethod.ALLGATHER: "allgather", SyncMethod.TORCH: "torch", SyncMethod.TREE: "tree"}[method]
+    un = union_rows(lws, n, k, u) if union_node is None else union_node
+    return host_link_bytes(name, n // lws, lws, k, u, un, num_rows, row_elems, elem_bytes, index_bytes)
 
 
 @dataclass(frozen=True)
@@ -49,13 +93,20 @@ class Decision:
 def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: int, index_bytes: int,
                   rows_mean: float, union_rows: int, latency_bytes: float = 64 * 1024,
                   allowed: Optional[Sequence[SyncMethod]] = None,
-                  fitted: Union[FittedCost, None, bool] = None) -> Decision:
-    """Pick the cheapest allowed method by estimated bytes per rank, or by fitted seconds when a fit is given.
+                  fitted: Union[FittedCost, None, bool] = None, *, link: Optional[LinkProbe] = None,
+                  ranks_per_host: Optional[int] = None, union_node: Optional[float] = None,
+                  local_aggregation: bool = True) -> Decision:
+    """Pick the cheapest allowed method by its time on the bottleneck link, or by fitted seconds when a fit is given.
 
-    Without a fit: cost(m) = bytes(m) + collectives(m, N) x latency_bytes.
-    With one (:class:`~sparsecomm.cost_model.FittedCost`, from
-    ``python -m sparsecomm.bench project --save``): its per-method latency,
-    per-byte and per-row terms, over the methods it fitted.
+    Without a fit: seconds(m) = collectives(m, N) x latency + bytes on the
+    busiest link(m) / that link's bytes per second. The busiest link is a
+    host's when ``ranks_per_host`` L > 1 ranks share it (bytes of all L ranks
+    to other hosts, :func:`bottleneck_bytes`), else a rank's own. ``link``
+    (:func:`~sparsecomm.collectives.probe.measure_link`) gives the latency and
+    the link's bytes/s; without it, costs are in bytes and a collective costs
+    ``latency_bytes``. With a fit (:class:`~sparsecomm.cost_model.FittedCost`,
+    from ``python -m sparsecomm.bench project --save``): its per-method
+    latency, per-byte and per-row terms, over the methods it fitted.
 
     Args:
         world_size: N.
@@ -64,14 +115,21 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
         index_bytes: bytes per id on the wire.
         rows_mean: k, mean rows per rank after local coalescing.
         union_rows: U, rows in the union over ranks.
-        latency_bytes: cost of one collective round trip, in bytes (the hook measures it).
+        latency_bytes: cost of one collective round trip, in bytes (used when ``link`` is None).
         allowed: the methods to choose from (default: all but ``torch``, which needs gloo).
         fitted: a fitted time model; None (default) reads ``$SPARSECOMM_COST_FIT``
             when set (every rank must see the same file), False never uses one.
+        link: the measured latency and host-link bytes/s (default: price in bytes).
+        ranks_per_host: L, ranks sharing a host's link (contiguous ranks); default ``link``'s, else 1.
+        union_node: rows in the union of one host's ranks (default: interpolated from k and U).
+        local_aggregation: the partitioned path aggregates within a host first (two-level) when L > 1.
 
     Returns:
         The :class:`Decision`.
     """
+    if ranks_per_host is None:
+        ranks_per_host = link.ranks_per_host if link is not None else 1
+    lws = host_layout(world_size, ranks_per_host)
     row = row_elems * elem_bytes + index_bytes
     est = {
         SyncMethod.PARTITIONED.value: partitioned_floor_bytes(world_size, rows_mean, union_rows, row),
@@ -88,7 +146,7 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
     fit = _fit(fitted)
     priced = [m for m in allowed if fit is not None and _FITTED_NAME[m] in fit.coef]  # partitioned: see below
     density = union_rows / max(1, num_rows)
-    shape = (f"(N={world_size}, k={rows_mean:.0f}, U={union_rows}, V={num_rows}, "
+    shape = (f"(N={world_size}, L={lws}, k={rows_mean:.0f}, U={union_rows}, V={num_rows}, "
              f"union density {density:.2%})")
     if priced:
         # With several ranks per host the hook's partitioned path is two-level (local aggregation).
@@ -100,11 +158,29 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
         best = min(cost, key=lambda m: (cost[m], list(SyncMethod).index(m)))
         reason = "fitted s/call: " + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items()) + " " + shape
         return Decision(best, reason, est)
-    cost = {m: est[m.value] + collectives(m, world_size) * latency_bytes for m in allowed}
+    cost = method_costs(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows,
+                        allowed, latency_bytes, link, lws, union_node, local_aggregation)
     best = min(cost, key=lambda m: (cost[m], list(SyncMethod).index(m)))
-    reason = (f"est. bytes/rank: partitioned {est['partitioned']:.3g}, allgather {est['allgather']:.3g}, "
-              f"tree {est['tree']:.3g}, densify {est['densify']:.3g} " + shape)
+    if link is not None:
+        reason = (f"est. ms/call (latency {link.latency_s * 1e3:.3g} ms, link {link.bytes_per_s / 1e6:.3g} MB/s): "
+                  + ", ".join(f"{m.value} {c * 1e3:.3g}" for m, c in cost.items()) + " " + shape)
+    else:
+        reason = ("est. bytes on the busiest link incl. latency: "
+                  + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items()) + " " + shape)
     return Decision(best, reason, est)
+
+
+def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int, index_bytes: int,
+                 rows_mean: float, union_rows_: float, allowed: Sequence[SyncMethod], latency_bytes: float = 64 * 1024,
+                 link: Optional[LinkProbe] = None, ranks_per_host: int = 1, union_node: Optional[float] = None,
+                 local_aggregation: bool = True) -> Dict[SyncMethod, float]:
+    """The default model's cost of each allowed method: seconds with ``link``, else bytes (latency as bytes)."""
+    lat, bps = (link.latency_s, link.bytes_per_s) if link is not None else (latency_bytes, 1.0)
+    lws = host_layout(world_size, ranks_per_host)
+    return {m: collectives(m, world_size, lws, local_aggregation) * lat
+            + bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows_,
+                               lws, union_node, local_aggregation) / bps
+            for m in allowed}
 
 
 def _fit(fitted: Union[FittedCost, None, bool]) -> Optional[FittedCost]:
