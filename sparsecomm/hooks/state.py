@@ -14,8 +14,10 @@ import torch.nn as nn
 
 from sparsecomm.collectives.dense import COMPRESSION_DTYPES, ring_allreduce_bytes
 from sparsecomm.collectives.groups import env_local_world_size, node_groups, twin_group
-from sparsecomm.collectives.probe import measure_latency_bytes
-from sparsecomm.hooks.classifier import Decision, choose_method
+from sparsecomm.collectives.groups import comm_device
+from sparsecomm.collectives.probe import LinkProbe, measure_link
+from sparsecomm.hooks.classifier import Decision, choose_method, host_layout, method_costs
+from sparsecomm.hooks.tuner import MethodTuner, candidates_near
 from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod
 
 __all__ = ["SparseCommState", "PathStats"]
@@ -95,9 +97,20 @@ class SparseCommState:
             step) or "raise" (``ValueError`` on every rank; costs a host
             synchronization per bucket).
         latency_bytes: the classifier's price of one collective, in bytes;
-            None (default) measures it at construction (a few tiny and one
-            4 MiB all-to-all on the hook's group, about 10-50 ms).
+            None (default) measures the link at construction instead (a few
+            tiny and a few 4 MiB all-to-alls on the hook's group: 10-50 ms on
+            a fast network, seconds on a 100 Mbit/s one): a collective's
+            latency and the bytes/s of a host's link, shared by the
+            ``local_world_size`` ranks of a host; the classifier then prices
+            each path by its latency and the bytes it puts on that link.
         reclassify_every: re-decide auto paths every this many steps (0: decide once).
+        tune: measure instead of trusting the model (off by default): after a
+            table's first sync, try each path the model rates within 4x of
+            its best (and the best) for ``tune_samples`` + 1 syncs, the first
+            of each not counted; every rank takes the path fastest on the
+            slowest rank (one small all-reduce per exploration phase, on the
+            hook's group, under its timeout), and re-measures it and the
+            paths that came within 2x every ``tune_every`` syncs.
         history: how many past steps of per-path counters to keep.
         fuse_dense: let small dense buckets ride in the step's sparse
             exchange (every rank sends its bucket to every rank, which sums
@@ -118,6 +131,7 @@ class SparseCommState:
         # tunable settings
         "process_group", "compression", "overrides", "sparse_dense_embeddings", "scheme", "local_world_size",
         "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every", "overlap_sparse", "fuse_dense",
+        "tune", "tune_samples", "tune_every", "link", "_tuners", "_tls",
         # internal state
         "world_size", "_sparse_group", "param_names", "dense_embedding_names", "decisions",
         "iteration", "_decided_at", "_calls", "_suggested", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_clear_empty",
@@ -131,7 +145,8 @@ class SparseCommState:
                  sparse_dense_embeddings: bool = False, scheme: str = "hash",
                  local_world_size: Optional[int] = None, local_aggregation: bool = True,
                  nonfinite: str = "propagate", latency_bytes: Optional[float] = None, reclassify_every: int = 0,
-                 history: int = 100, overlap_sparse: bool = False, fuse_dense: bool = True) -> None:
+                 history: int = 100, overlap_sparse: bool = False, fuse_dense: bool = True,
+                 tune: bool = False, tune_samples: int = 2, tune_every: int = 500) -> None:
         if compression not in COMPRESSION_DTYPES:
             raise ValueError(f"compression must be 'fp16', 'bf16' or None, got {compression!r}")
         overrides = dict(overrides or {})
@@ -143,6 +158,8 @@ class SparseCommState:
             raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
         if reclassify_every < 0:
             raise ValueError("reclassify_every must be >= 0")
+        if tune_samples < 1 or tune_every < 0:
+            raise ValueError("tune_samples must be >= 1 and tune_every >= 0")
         self.process_group = process_group
         self._backend = dist.get_backend(process_group)
         if self._backend != "gloo" and "torch" in overrides.values():
@@ -163,8 +180,15 @@ class SparseCommState:
         self.local_world_size = local_world_size
         self._sparse_group = None
         self.sparse_group  # collective: create the hook's groups now, on every rank, not mid-backward
-        self.latency_bytes = (measure_latency_bytes(self.sparse_group) if latency_bytes is None
-                              else float(latency_bytes))
+        self.tune, self.tune_samples, self.tune_every = tune, tune_samples, tune_every
+        self.link: Optional[LinkProbe] = None
+        if latency_bytes is None:
+            self.link = measure_link(self.sparse_group, ranks_per_host=host_layout(self.world_size,
+                                                                                   local_world_size))
+            self.latency_bytes = self.link.latency_bytes
+        else:
+            self.latency_bytes = float(latency_bytes)
+        self._tuners: Dict[str, MethodTuner] = {}
         self._init_runtime()
         self.param_names: Dict[int, str] = {}
         self.dense_embedding_names: Dict[str, Tuple[int, int]] = {}
@@ -187,6 +211,7 @@ class SparseCommState:
         self._empty_sparse: List[nn.Parameter] = []
         self._cleanup_queued = False
         self._lock = threading.Lock()         # counters are updated from the autograd and the worker thread
+        self._tls = threading.local()         # the last sync time `record` saw on this thread (the tuner's clock)
 
     @property
     def sparse_group(self) -> dist.ProcessGroup:
@@ -237,8 +262,10 @@ class SparseCommState:
             # sparsecomm decisions:
             #   emb.weight -> allgather   est. bytes/rank: partitioned 3.3e+04, allgather 3.3e+04, ...
         """
+        link = (f", latency {self.link.latency_s * 1e3:.3g} ms, link {self.link.bytes_per_s / 1e6:.3g} MB/s "
+                f"(L={self.link.ranks_per_host})" if self.link is not None else "")
         lines = [f"sparsecomm hook: {self.iteration} steps, world size {self.world_size}, "
-                 f"one collective ~ {self.latency_bytes:.3g} bytes", repr(self.stats), repr(self.decisions)]
+                 f"one collective ~ {self.latency_bytes:.3g} bytes{link}", repr(self.stats), repr(self.decisions)]
         forced = {k: v for k, v in self.overrides.items() if v != "auto"}
         if forced:
             lines.append("overrides (no decision): " + ", ".join(f"{k} -> {v}" for k, v in sorted(forced.items())))
@@ -255,7 +282,7 @@ class SparseCommState:
         # uses the default group. Parameter names are keyed by this process's
         # tensor addresses: call attach(model) again after unpickling.
         skip = {"process_group", "_sparse_group", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_cleanup_queued",
-                "_lock", "param_names", "_clear_empty"}
+                "_lock", "param_names", "_clear_empty", "_tls"}
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -274,27 +301,74 @@ class SparseCommState:
         forced = self.overrides.get(name, "auto")
         if forced != "auto":
             return SyncMethod(forced)
+        tuner = self._tuners.get(name)
+        if tuner is not None:  # the call about to be counted by next_call: the same number on every rank
+            chosen = tuner.method(self._calls.get(name, 0) + 1)
+            if chosen is not None:
+                return chosen
         decision = self.decisions.get(name)
         return decision.method if decision else SyncMethod.PARTITIONED  # measure first
 
-    def maybe_decide(self, name: str, s: SparseSyncStats, elem_bytes: int, call: int) -> None:
-        """Decide ``name``'s path from a completed sync's global counts (same numbers on every rank)."""
+    def maybe_decide(self, name: str, s: SparseSyncStats, elem_bytes: int, call: int,
+                     seconds: Optional[float] = None) -> None:
+        """Decide ``name``'s path from a completed sync's global counts (same numbers on every rank).
+
+        ``seconds``: the sync's time on this rank, for the tuner (default: what
+        :meth:`record` last saw on this thread, which the hook calls first).
+        """
         # `call` is this parameter's sync count, taken on the autograd thread in
         # program order: the same on every rank, unlike `iteration`.
         if self.overrides.get(name, "auto") != "auto":
+            return
+        tuner = self._tuners.get(name)
+        if tuner is not None:
+            if seconds is None:
+                seconds = getattr(self._tls, "seconds", None)
+            if tuner.record(call, s.total_seconds if seconds is None else seconds):
+                self._settle(name, tuner, s)
             return
         last = self._decided_at.get(name)
         if last is not None and not (self.reclassify_every and call - last >= self.reclassify_every):
             return
         n = s.world_size
         allowed = [m for m in SyncMethod if m is not SyncMethod.TORCH or self._backend == "gloo"]
-        decision = choose_method(n, s.num_rows, s.row_bytes // elem_bytes, elem_bytes, s.index_bytes,
-                                 s.rows_local_sum / max(1, n), s.rows_out, self.latency_bytes, allowed=allowed)
+        lws = host_layout(n, self.local_world_size)
+        shape = (n, s.num_rows, s.row_bytes // elem_bytes, elem_bytes, s.index_bytes, s.rows_local_sum / max(1, n),
+                 s.rows_out)
+        decision = choose_method(*shape, self.latency_bytes, allowed=allowed, link=self.link, ranks_per_host=lws,
+                                 local_aggregation=self.local_aggregation)
+        if self.tune and n > 1:
+            costs = method_costs(*shape, allowed, self.latency_bytes, self.link, lws,
+                                 local_aggregation=self.local_aggregation)
+            candidates = candidates_near(costs, 4.0, allowed)
+            if decision.method not in candidates:  # a fitted model's pick
+                candidates.insert(0, decision.method)
+            if len(candidates) > 1:
+                self._tuners[name] = MethodTuner(candidates, start=call + 1, warmup=1, samples=self.tune_samples,
+                                                 every=self.tune_every)
         previous = self.decisions.get(name)
         self.decisions[name] = decision
         self._decided_at[name] = call
         if previous is None or previous.method != decision.method:
             logger.info("sparsecomm: %s -> %s path: %s", name, decision.method.value, decision.reason)
+
+    def _settle(self, name: str, tuner: MethodTuner, s: SparseSyncStats) -> None:
+        """End an exploration phase: every rank's median per candidate, the slowest rank's counts (collective)."""
+        group = self.sparse_group
+        like = torch.device("cuda", torch.cuda.current_device()) if self._backend != "gloo" and \
+            torch.cuda.is_available() else torch.device("cpu")
+        times = torch.tensor(tuner.local_times(), dtype=torch.float64, device=comm_device(group, like))
+        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # under the group's timeout
+        agreed = times.tolist()
+        tried = list(tuner.trying)
+        best = tuner.settle(agreed)
+        previous = self.decisions.get(name)
+        reason = ("measured ms/sync (slowest rank, median of %d): " % tuner.samples
+                  + ", ".join(f"{m.value} {1e3 * t:.3g}" for m, t in zip(tried, agreed))
+                  + f" (N={s.world_size}, k={s.rows_local_sum / max(1, s.world_size):.0f}, U={s.rows_out})")
+        self.decisions[name] = Decision(best, reason, previous.estimated_bytes if previous else {})
+        if previous is None or previous.method != best:
+            logger.info("sparsecomm: %s -> %s path: %s", name, best.value, reason)
 
     def fuses_dense(self, buffer: torch.Tensor) -> bool:
         """Should this dense bucket ride in the step's sparse exchange? (Same answer on every rank.)"""
@@ -323,6 +397,7 @@ class SparseCommState:
             self.iteration += 1
 
     def record(self, path: str, sent: int, recv: int, seconds: float) -> None:
+        self._tls.seconds = seconds
         with self._lock:
             self.stats[path].add(sent, recv, seconds)
             self.step_stats[path].add(sent, recv, seconds)
