@@ -61,10 +61,14 @@ def test_cluster_sweep_checks_every_method_and_cleans_up(tmp_path):
                           "--json", str(out_json)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     records = json.loads(out_json.read_text())["records"]
-    timed = {r["method"]: r for r in records if "wrong" in r}
+    timed = {r["method"]: r for r in records if "wrong" in r and r["method"] != "tuned"}
     assert set(timed) == {"dense", "torch", "allgather", "partitioned", "tree"}  # two_level needs 2+ ranks/host
     assert all(r["wrong"] == 0 and r["seconds"] > 0 for r in timed.values())
-    assert any(r["method"] == "auto" and r["picked"] in timed for r in records)
+    assert any(r["method"] == "auto" and r["picked"] in timed and r["link_bytes_per_s"] > 0 for r in records)
+    # The tuner ran online: explored its candidates (a warm-up and 2 samples each), kept one, timed it in the rounds.
+    tuned = [r for r in records if r["method"] == "tuned"]
+    assert len(tuned) == 1 and tuned[0]["picked"] in tuned[0]["tried"] and tuned[0]["wrong"] == 0
+    assert tuned[0]["explore_syncs"] == 3 * len(tuned[0]["tried"]) and tuned[0]["seconds"] > 0
     assert "sc_host" not in _namespaces()
 
 
