@@ -232,6 +232,10 @@ def case_bag_input_on_one_rank(rank, world):
     last = sh.ShardedEmbeddingBag(V, D, mode="sum", include_last_offset=True, seed=5)
     empty = torch.empty(0, dtype=torch.int64) if rank == 2 else torch.tensor([0, 3])
     expect_value_error(lambda: last(flat, empty), "at least one offset" if rank == 2 else "rank 2 passed")
+    # ids after the last offset: torch's own backward reads out of bounds there, so they are refused.
+    short = torch.tensor([0, 2]) if rank == world - 1 else torch.tensor([0, 3])
+    expect_value_error(lambda: last(flat, short), "last offset must be len(input) = 3, got 2" if rank == world - 1
+                       else f"rank {world - 1} passed")
     emb = sh.ShardedEmbedding(V, D, seed=6)
     meta_ids = ids.to("meta") if rank == 0 else ids
     expect_value_error(lambda: emb(meta_ids), "input is on meta" if rank == 0 else "rank 0 passed")

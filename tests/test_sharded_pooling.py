@@ -45,9 +45,8 @@ def initial(dtype):
 
 
 def with_last_offset(offsets, n, step):
-    """``include_last_offset`` offsets: the end of the input, or (odd steps) short of it (ids in no bag)."""
-    end = n if step % 2 == 0 else max(int(offsets[-1]), n - 2)
-    return torch.cat([offsets, offsets.new_tensor([end])])
+    """``include_last_offset`` offsets: the bags' starts, then the end of the input."""
+    return torch.cat([offsets, offsets.new_tensor([n])])
 
 
 def tol(dtype):
@@ -140,10 +139,8 @@ def case_paths_match_single_process(rank, world):
                 stats = got[2]
                 if variant["mode"] == "max" or pooling == "never":
                     assert stats.pooled_lookups == 0, f"{variant} {pooling}: max and 'never' take rows"
-                elif pooling == "always" and not variant.get("last_offset"):
+                elif pooling == "always":
                     assert stats.pooled_lookups == STEPS and stats.row_lookups == 0
-                elif pooling == "always":  # a last offset short of the input takes rows (torch's own mean)
-                    assert stats.pooled_lookups >= 1 and stats.pooled_lookups + stats.row_lookups == STEPS
                 elif pooling == "auto":  # measures rows first (rounds 0-2; round 0 is a warm-up)
                     paths = (stats.row_lookups, stats.pooled_lookups)
                     assert paths == (3, 0), paths

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import (STATUS_BAD_INPUT, STATUS_ID_RANGE, STATUS_OK,
                                                      allgather_table_rows, broadcast_int, sharded_group, world)
+from sparsecomm.sharded import compiled
 from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.sharded.lookup import Bags, Lookup, TableSet, pool_rows
 from sparsecomm.types import PartitionScheme, SparseSyncStats
@@ -103,6 +104,10 @@ class _ShardedTable(nn.Module):
             self.reset_parameters()
         self.local_weight.requires_grad_(not _freeze)
         self.local_weight._sparsecomm_table = weakref.ref(self)
+        # Under torch.compile a lookup is one custom op (sparsecomm.sharded.compiled): the table's key names it,
+        # and this empty tensor, which requires grad, gives the op its place in autograd.
+        self._key = compiled.register(self)
+        self._anchor = torch.zeros(0, dtype=dtype, device=device, requires_grad=True)
 
     # ------------------------------------------------------------- contents
 
@@ -383,6 +388,8 @@ class ShardedEmbedding(_ShardedTable):
                 ``[0, num_embeddings)`` or a non-integer input (no rows move,
                 the table stays usable), or ranks call different tables.
         """
+        if torch.compiler.is_compiling():
+            return compiled.lookup(self, input)
         return self._set.submit(self._take(input) if isinstance(input, Prefetched) else self._lookup(input))
 
     def _lookup(self, input: torch.Tensor) -> Lookup:
@@ -469,6 +476,11 @@ class ShardedEmbeddingBag(_ShardedTable):
                     return f"offsets[0] must be 0, got {int(offsets[0])}"
                 if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > input.numel():
                     return f"offsets must be non-decreasing and at most len(input) = {input.numel()}"
+                if self.include_last_offset and int(offsets[-1]) != input.numel():
+                    # torch documents this as the input's length; its embedding_bag backward reads out of
+                    # bounds when ids follow the last offset (garbage gradients, or an IndexError when sparse).
+                    return (f"include_last_offset=True: the last offset must be len(input) = {input.numel()}, "
+                            f"got {int(offsets[-1])}")
         else:
             return f"input must be 1-D (with offsets) or 2-D (B, L), got shape {tuple(input.shape)}"
         if per_sample_weights is not None:
@@ -491,6 +503,8 @@ class ShardedEmbeddingBag(_ShardedTable):
             ValueError: on every rank, for an id out of range or a malformed
                 input/offsets on any rank (nothing moves; the table stays usable).
         """
+        if torch.compiler.is_compiling():
+            return compiled.lookup(self, input, offsets, per_sample_weights)
         if isinstance(input, Prefetched):
             return self._set.submit(self._take(input))
         return self._set.submit(self._lookup(input, offsets, per_sample_weights))
@@ -510,11 +524,7 @@ class ShardedEmbeddingBag(_ShardedTable):
             bags = offsets.numel() - int(self.include_last_offset)
 
         pooling = None
-        # torch's "mean" with a last offset short of the input divides the last bag by a count that includes the
-        # ids after it: such inputs take torch's embedding_bag itself.
-        trailing = status[0] == STATUS_OK and self.include_last_offset and offsets is not None and \
-            int(offsets[-1]) != flat.numel()
-        if status[0] == STATUS_OK and self.mode != "max" and not trailing and \
+        if status[0] == STATUS_OK and self.mode != "max" and \
                 (per_sample_weights is None or not (torch.is_grad_enabled() and per_sample_weights.requires_grad)):
             pooling = Bags(bags, self.mode, self._bag_lengths(input, offsets, flat.numel()),
                            per_sample_weights.reshape(-1).detach() if per_sample_weights is not None else None)

@@ -56,7 +56,7 @@ class Bags:
         num_bags: bags in the result.
         mode: ``"sum"`` or ``"mean"``.
         lengths: ``(num_bags,)`` int64 ids per bag (consecutive in the flat
-            ids; ids after the last bag belong to none).
+            ids, which they cover: the table refuses ids after the last bag).
         weights: ``(n,)`` per-sample weights (not requiring grad), or None.
     """
 
@@ -66,16 +66,13 @@ class Bags:
         self.num_bags, self.mode, self.lengths, self.weights = num_bags, mode, lengths, weights
 
     def counts(self, bag_of: torch.Tensor) -> torch.Tensor:
-        """``(num_bags,)`` int64: how many of the ids with bags ``bag_of`` (all >= 0) each bag holds."""
+        """``(num_bags,)`` int64: how many of the ids with bags ``bag_of`` each bag holds."""
         return torch.bincount(bag_of, minlength=self.num_bags)[:self.num_bags]
 
     def bag_of(self, n: int) -> torch.Tensor:
-        """``(n,)`` int64: each flat id's bag, -1 for ids in no bag."""
+        """``(n,)`` int64: each of the ``n`` flat ids' bag."""
         lengths = self.lengths
-        inside = torch.repeat_interleave(torch.arange(self.num_bags, device=lengths.device), lengths)
-        if inside.numel() == n:
-            return inside
-        return torch.cat([inside, inside.new_full((n - inside.numel(),), -1)])
+        return torch.repeat_interleave(torch.arange(self.num_bags, device=lengths.device), lengths, output_size=n)
 
 
 class Lookup:
@@ -264,6 +261,12 @@ class TableSet:
         w = lookup.table.local_weight
         return PendingLookup(lookup, w.dtype, w.device)
 
+    def run(self, lookup: Lookup) -> torch.Tensor:
+        """Run ``lookup`` now, with any lookup already open, even in a lazy set; its real result."""
+        self._open.append(lookup)
+        self.flush()
+        return lookup.result
+
     def flush(self) -> None:
         """Run the open round (collective: every rank flushes the same round). No-op when nothing is pending."""
         lookups, self._open = self._open, []
@@ -393,10 +396,8 @@ class TableSet:
         flat = lk.ids
         bag_of = bags.bag_of(flat.numel())
         weights = bags.weights
-        keep = bag_of >= 0
-        if t.padding_idx is not None:
-            keep &= flat != t.padding_idx
-        if not bool(keep.all()):
+        keep = flat != t.padding_idx if t.padding_idx is not None else None
+        if keep is not None and not bool(keep.all()):
             flat, bag_of = flat[keep], bag_of[keep]
             weights = weights[keep] if weights is not None else None
         t.stats.rows_in += int(flat.numel())
@@ -541,11 +542,9 @@ class _PoolRows(torch.autograd.Function):
         (inverse,) = ctx.saved_tensors
         bags = ctx.bags
         bag_of = bags.bag_of(inverse.numel())
-        keep = bag_of >= 0
-        if ctx.pad is not None:
-            keep &= inverse != ctx.pad
+        keep = inverse != ctx.pad if ctx.pad is not None else None
         weights = bags.weights
-        if not bool(keep.all()):
+        if keep is not None and not bool(keep.all()):
             inverse, bag_of = inverse[keep], bag_of[keep]
             weights = weights[keep] if weights is not None else None
         grad = grad.contiguous()
@@ -656,6 +655,8 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[Any]] = None) -> Ta
         t._set = table_set
 
     def finish_forward(module, args, output):
+        if torch.compiler.is_compiling():
+            return output  # compiled lookups run their rounds at once (sparsecomm.sharded.compiled)
         table_set.flush()
         return resolve(output)
 
