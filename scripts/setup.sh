@@ -48,7 +48,7 @@ else
 fi
 # Build requirements first, then build without isolation: faster, and the
 # build sees the same pip configuration as everything else. torch is
-# installed by now, so the package's "torch>=2.1" is already satisfied and
+# installed by now, so the package's "torch>=2.4" is already satisfied and
 # pip resolves no other torch.
 "$PY" -m pip install -q "scikit-build-core>=0.8" "pybind11>=2.11"
 "$PY" -m pip install -q --no-build-isolation -e ".[${extras}]"
