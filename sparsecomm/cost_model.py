@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 __all__ = ["partitioned_floor_bytes", "sharded_floor_bytes", "allgather_bytes", "dense_allreduce_bytes",
@@ -171,17 +171,27 @@ class FittedCost:
     Fitted by ``python -m sparsecomm.bench project`` from emulated-cluster runs
     (``benchmarks/cluster.py``); ``link_bytes_per_s`` and ``ranks_per_host``
     describe the cluster it prices (they can be overridden when loading).
+    ``topologies`` holds a fit per topology (``"HxR"``, from ``--per-topology``):
+    a call at a topology the runs covered uses its own terms (a shared CPU
+    makes latency and per-row costs depend on how many ranks share it),
+    any other the pooled ``coef``.
     """
 
     coef: Dict[str, Tuple[float, float, float]]  # method -> (latency s, per-byte factor, per-row s)
     link_bytes_per_s: float
     ranks_per_host: int = 1
+    topologies: Dict[str, Dict[str, Tuple[float, float, float]]] = field(default_factory=dict)
+
+    def terms(self, method: str, hosts: int, ranks_per_host: int) -> Tuple[float, float, float]:
+        """(latency s, per-byte factor, per-row s) of ``method`` at ``hosts`` x ``ranks_per_host``."""
+        own = self.topologies.get(f"{hosts}x{ranks_per_host}", {})
+        return own[method] if method in own else self.coef[method]
 
     def seconds(self, method: str, world_size: int, k: float, union: float, num_rows: float, row_elems: int,
                 elem_bytes: int, index_bytes: int, union_node: Optional[float] = None) -> float:
-        a, b, c = self.coef[method]
         lws = self.ranks_per_host if world_size % max(1, self.ranks_per_host) == 0 else 1
         hosts = max(1, world_size // lws)
+        a, b, c = self.terms(method, hosts, lws)
         un = union_rows(lws, world_size, k, union) if union_node is None else union_node
         link = host_link_bytes(method, hosts, lws, k, union, un, num_rows, row_elems, elem_bytes, index_bytes)
         return (a * latency_steps(method, world_size) + b * link / self.link_bytes_per_s
@@ -189,12 +199,16 @@ class FittedCost:
 
     def to_json(self) -> dict:
         return {"coef": {m: list(v) for m, v in self.coef.items()}, "link_bytes_per_s": self.link_bytes_per_s,
-                "ranks_per_host": self.ranks_per_host}
+                "ranks_per_host": self.ranks_per_host,
+                "topologies": {t: {m: list(v) for m, v in c.items()} for t, c in self.topologies.items()}}
 
     @staticmethod
     def from_json(obj: dict) -> "FittedCost":
-        return FittedCost({m: tuple(float(x) for x in v) for m, v in obj["coef"].items()},
-                          float(obj["link_bytes_per_s"]), int(obj.get("ranks_per_host", 1)))
+        def terms(c: dict) -> Dict[str, Tuple[float, float, float]]:
+            return {m: tuple(float(x) for x in v) for m, v in c.items()}
+
+        return FittedCost(terms(obj["coef"]), float(obj["link_bytes_per_s"]), int(obj.get("ranks_per_host", 1)),
+                          {t: terms(c) for t, c in obj.get("topologies", {}).items()})
 
 
 def load_fitted_cost(path: Optional[str] = None) -> Optional[FittedCost]:

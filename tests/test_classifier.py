@@ -1,5 +1,7 @@
 """The hook's choice of sync method: the bottleneck-link model, the link probe's arithmetic, the measuring tuner."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -182,3 +184,41 @@ def test_hook_tuner_measures_agrees_and_trains_exactly():
     # The first sync measures on the partitioned path; then each candidate in turn (a warm-up and a sample).
     assert r0["used"][0] == "partitioned" and len(set(r0["used"][1:1 + 2 * len(r0["tried"])])) == len(r0["tried"])
     assert res[1]["used"] == r0["used"] and res[1]["decision"] == r0["decision"]  # every rank alike
+
+
+# ------------------------------------------------------------------ the fitted model, per topology
+
+
+def _synthetic_runs():
+    """Cluster records whose times follow the fit's model exactly, with a different latency per topology."""
+    from sparsecomm.bench.project import features
+
+    recs = []
+    for (hosts, lws, lat), rate, density in itertools.product(
+            [(2, 2, 2e-3), (4, 2, 6e-3)], ["100mbit", "300mbit", "1gbit", "10gbit"], [0.001, 0.01, 0.05]):
+        k = 1e5 * density * 0.3
+        r = dict(hosts=hosts, ranks_per_host=lws, world=hosts * lws, rate=rate, rows=100_000, dim=32, elem_bytes=4,
+                 index_bytes=4, k_mean=k, union=3 * k, union_node=1.5 * k, method="tree", wrong=0)
+        f = features(r, "tree")
+        r["seconds"] = lat * f[0] + 0.6 * f[1] + 0.5e-6 * f[2]
+        recs.append(r)
+    return recs
+
+
+def test_fit_per_topology_recovers_each_topologys_terms():
+    from sparsecomm.bench.project import fit
+    from sparsecomm.cost_model import FittedCost
+
+    recs = _synthetic_runs()
+    pooled, err_pooled = fit(recs, ["300mbit"])
+    topo, err_topo = fit(recs, ["300mbit"], per_topology=True)
+    assert not pooled.topologies and set(topo.topologies) == {"2x2", "4x2"}
+    assert topo.topologies["2x2"]["tree"][0] == pytest.approx(2e-3, rel=1e-6)
+    assert topo.topologies["4x2"]["tree"][0] == pytest.approx(6e-3, rel=1e-6)
+    assert err_topo["tree"]["heldout_max_abs_err"] < 1e-6 < err_pooled["tree"]["heldout_mean_abs_err"]
+    # A topology the runs did not cover falls back to the pooled terms; the JSON keeps both.
+    assert topo.terms("tree", 8, 8) == topo.coef["tree"] and topo.terms("tree", 4, 2) == topo.topologies["4x2"]["tree"]
+    again = FittedCost.from_json(topo.to_json())
+    assert again == topo
+    assert again.seconds("tree", 8, 300, 900, 100_000, 32, 4, 4) == pytest.approx(
+        topo.seconds("tree", 8, 300, 900, 100_000, 32, 4, 4))

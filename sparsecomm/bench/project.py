@@ -87,26 +87,46 @@ def nnls(x: List[Sequence[float]], y: List[float]) -> Tuple[float, ...]:
     return best
 
 
-def fit(records: List[dict], holdout: Sequence[str]) -> Tuple[FittedCost, Dict[str, Dict[str, float]]]:
-    """Fit every method on the runs not in ``holdout`` rates; return the model and held-out errors."""
-    coef, errors = {}, {}
-    for m in METHODS_ON_CLUSTER:
-        runs = [r for r in records if r["method"] == m and not r.get("wrong")]
+def _topology(rec: dict) -> str:
+    return f"{rec['hosts']}x{rec['ranks_per_host']}"
+
+
+def fit(records: List[dict], holdout: Sequence[str], per_topology: bool = False
+        ) -> Tuple[FittedCost, Dict[str, Dict[str, float]]]:
+    """Fit every method on the runs not in ``holdout`` rates; return the model and held-out errors.
+
+    The pooled fit uses every topology's runs; with ``per_topology`` each
+    topology (H x R) also gets its own terms, and held-out runs are predicted
+    with their own topology's terms.
+    """
+    coef: Dict[str, Tuple[float, float, float]] = {}
+    by_topo: Dict[str, Dict[str, Tuple[float, float, float]]] = {}
+    usable = {m: [r for r in records if r["method"] == m and not r.get("wrong")] for m in METHODS_ON_CLUSTER}
+    for m, runs in usable.items():
         train = [r for r in runs if r["rate"] not in holdout]
-        test = [r for r in runs if r["rate"] in holdout]
         if len(train) < 2:
             continue
         coef[m] = nnls([features(r, m) for r in train], [r["seconds"] for r in train])
+        if per_topology:
+            for topo in sorted({_topology(r) for r in train}):
+                mine = [r for r in train if _topology(r) == topo]
+                if len(mine) >= 3:
+                    by_topo.setdefault(topo, {})[m] = nnls([features(r, m) for r in mine],
+                                                           [r["seconds"] for r in mine])
+    lws = max((r["ranks_per_host"] for r in records), default=1)
+    model = FittedCost(coef, 25e9 / 8, lws, by_topo)
+    errors = {}
+    for m in coef:
+        test = [r for r in usable[m] if r["rate"] in holdout]
         rel = []
         for r in test:
-            f = features(r, m)
-            pred = coef[m][0] * f[0] + coef[m][1] * f[1] + coef[m][2] * f[2]
+            terms = model.terms(m, r["hosts"], r["ranks_per_host"])
+            pred = sum(c * x for c, x in zip(terms, features(r, m)))
             rel.append(abs(pred - r["seconds"]) / r["seconds"])
-        errors[m] = {"train_runs": len(train), "heldout_runs": len(test),
+        errors[m] = {"train_runs": len(usable[m]) - len(test), "heldout_runs": len(test),
                      "heldout_mean_abs_err": sum(rel) / len(rel) if rel else float("nan"),
                      "heldout_max_abs_err": max(rel) if rel else float("nan")}
-    lws = max((r["ranks_per_host"] for r in records), default=1)
-    return FittedCost(coef, 25e9 / 8, lws), errors
+    return model, errors
 
 
 def workload_growth(name: str, worlds: Sequence[int], ranks_per_host: int = 8) -> Dict[int, dict]:
@@ -163,6 +183,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--topologies", default="8x8,16x8")
     p.add_argument("--rates", default="25gbit,100gbit")
     p.add_argument("--save", help="write the fitted model here (for SPARSECOMM_COST_FIT / cluster.py --fit)")
+    p.add_argument("--per-topology", action="store_true",
+                   help="also fit each topology (HxR) of the runs on its own; its held-out runs are checked against "
+                        "those terms (the projection to other sizes uses the pooled fit)")
     p.add_argument("--plot", help="write a bar chart of the projection here (needs matplotlib)")
     a = p.parse_args(argv)
     if a.plot:
@@ -175,15 +198,20 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         records = json.load(f)["records"]
     rates = sorted({r["rate"] for r in records if r["method"] in METHODS_ON_CLUSTER}, key=_parse_rate)
     holdout = a.holdout_rates.split(",") if a.holdout_rates else rates[1:-1]
-    model, errors = fit(records, holdout)
+    model, errors = fit(records, holdout, a.per_topology)
     print(f"# fit: seconds = latency x steps + per_byte x host-link bytes / rate + per_row x rows(d/32); "
-          f"trained on rates {[r for r in rates if r not in holdout]}, held out {holdout}")
+          f"trained on rates {[r for r in rates if r not in holdout]}, held out {holdout}"
+          + (f"; terms per topology {sorted(model.topologies)} (the pooled terms below project)"
+             if model.topologies else ""))
     print(f"{'method':>12} {'latency_ms':>10} {'per_byte':>9} {'per_row_us':>10} {'train':>6} {'held':>5} "
           f"{'held_err_mean':>13} {'held_err_max':>12}")
     for m, c in model.coef.items():
         e = errors[m]
         print(f"{m:>12} {1e3 * c[0]:10.3f} {c[1]:9.3f} {1e6 * c[2]:10.3f} {e['train_runs']:6d} "
               f"{e['heldout_runs']:5d} {e['heldout_mean_abs_err']:13.1%} {e['heldout_max_abs_err']:12.1%}")
+    for topo, terms in sorted(model.topologies.items()):
+        print(f"  {topo}: " + ", ".join(f"{m} {1e3 * c[0]:.2f} ms/{c[1]:.2f}/{1e6 * c[2]:.2f} us"
+                                        for m, c in terms.items()))
     if a.save:
         with open(a.save, "w") as f:
             json.dump(model.to_json(), f, indent=1)
