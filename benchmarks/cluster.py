@@ -211,6 +211,7 @@ def _worker(a: argparse.Namespace) -> None:
                 if pick in measured and pick != "tuned":
                     print("RESULT " + json.dumps(dict(base, method=name, picked=pick, seconds=measured[pick],
                                                       latency_s=link.latency_s, link_bytes_per_s=link.bytes_per_s,
+                                                      pair_latency_s=link.pair_latency_s,
                                                       latency_bytes=link.latency_bytes)), flush=True)
     sparsecomm.shutdown()
 

@@ -222,3 +222,21 @@ def test_fit_per_topology_recovers_each_topologys_terms():
     assert again == topo
     assert again.seconds("tree", 8, 300, 900, 100_000, 32, 4, 4) == pytest.approx(
         topo.seconds("tree", 8, 300, 900, 100_000, 32, 4, 4))
+
+
+def test_latency_prices_each_exchange_by_its_participants():
+    from sparsecomm.hooks.classifier import exchange_latency, latency_seconds
+
+    a2a, pair = 8e-3, 2e-3
+    assert exchange_latency(2, 8, a2a, pair) == pair and exchange_latency(8, 8, a2a, pair) == a2a
+    assert exchange_latency(5, 8, a2a, pair) == pytest.approx(pair + (a2a - pair) / 2)
+    assert latency_seconds(S.ALLGATHER, 8, a2a, pair) == 2 * a2a
+    assert latency_seconds(S.PARTITIONED, 8, a2a, pair) == 4 * a2a  # flat: 4 all-to-alls among all 8
+    # Two-level at 4 hosts x 2: one all-to-all, 4 exchanges in the host (pairs), 4 among the 4 hosts.
+    assert latency_seconds(S.PARTITIONED, 8, a2a, pair, ranks_per_host=2) == pytest.approx(
+        a2a + 4 * pair + 4 * (pair + (a2a - pair) / 3))
+    assert latency_seconds(S.TREE, 8, a2a, pair) == pytest.approx(2 * a2a + 6 * pair)
+    assert latency_seconds(S.TORCH, 8, a2a, pair) == pytest.approx(21 * pair)
+    # Without a pair measurement every exchange costs an all-to-all (the collective count).
+    assert latency_seconds(S.TREE, 8, a2a) == pytest.approx(8 * a2a)
+    assert latency_seconds(S.TORCH, 1, a2a, pair) == 0.0

@@ -37,11 +37,14 @@ class LinkProbe:
             (:func:`alltoall_host_link_bytes`); with one rank per host, the
             rank's own bytes.
         ranks_per_host: the L the bytes were counted with.
+        pair_latency_s: one tiny exchange between two ranks (a tree stage, a
+            ring hop); None: not measured (priced as ``latency_s``).
     """
 
     latency_s: float
     bytes_per_s: float
     ranks_per_host: int = 1
+    pair_latency_s: Optional[float] = None
 
     @property
     def latency_bytes(self) -> float:
@@ -76,30 +79,57 @@ def _time_alltoall(group, dev, n: int, nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _time_pairs(group, dev, n: int, lws: int, repeats: int) -> float:
+    """Median time of a tiny exchange with rank ``me ^ L`` (on another host; L = 1: ``me ^ 1``); 0 without one."""
+    me = dist.get_rank(group)
+    partner = me ^ (lws if lws & (lws - 1) == 0 else 1)
+    if partner >= n:
+        return 0.0
+    peer = partner if group is None else dist.get_global_rank(group, partner)
+    send = torch.zeros(8, dtype=torch.uint8, device=dev)
+    recv = torch.empty_like(send)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        works = [dist.isend(send, peer, group=group), dist.irecv(recv, peer, group=group)]
+        for w in works:
+            w.wait()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torch.device("cpu"),
-                 ranks_per_host: int = 1, repeats: int = 5, large_bytes: int = 4 << 20) -> LinkProbe:
+                 ranks_per_host: int = 1, repeats: int = 5, large_bytes: int = 4 << 20, pairs: bool = True
+                 ) -> LinkProbe:
     """Latency of a tiny all-to-all and bytes/s of a host's link under a large one: the same on every rank.
 
     Collective: every rank of ``group`` calls it together. Takes the median of
-    ``repeats`` timings of each size (after one warm-up), then the slowest
-    rank's numbers (one all-reduce), so every rank prices collectives alike.
-    ``ranks_per_host`` (L, ranks of a host contiguous in the group) says how
+    ``repeats`` timings of the large all-to-all and 3 x ``repeats`` of the
+    tiny messages (after one warm-up each), then the slowest rank's numbers
+    (one all-reduce), so every rank prices collectives alike. ``ranks_per_host`` (L, ranks of a host contiguous in the group) says how
     many ranks share a host's link: the large all-to-all puts
-    L (N-L)/N x ``large_bytes`` on it.
+    L (N-L)/N x ``large_bytes`` on it. With ``pairs``, also a tiny exchange
+    between two ranks on different hosts (rank ^ L; point-to-point: the
+    tree's stages and a ring's hops cost that, not an all-to-all among N).
     """
     n = dist.get_world_size(group)
     if n == 1:
         return LinkProbe(0.0, _MAX_BYTES_PER_S, 1)
     lws = ranks_per_host if ranks_per_host and 1 <= ranks_per_host < n and n % ranks_per_host == 0 else 1
     dev = comm_device(group, device)
-    tiny = _time_alltoall(group, dev, n, 8 * n, repeats)
+    # Tiny messages are cheap to repeat and their times scatter most (ranks sharing CPUs): 3x the samples.
+    tiny = _time_alltoall(group, dev, n, 8 * n, 3 * repeats)
     large = _time_alltoall(group, dev, n, large_bytes, repeats)
-    numbers = torch.tensor([tiny, large], dtype=torch.float64, device=dev)
+    pair = _time_pairs(group, dev, n, lws, 3 * repeats) if pairs else 0.0
+    numbers = torch.tensor([tiny, large, pair], dtype=torch.float64, device=dev)
     dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
-    tiny, large = numbers.tolist()
+    tiny, large, pair = numbers.tolist()
     link = alltoall_host_link_bytes(n, lws, n * max(1, large_bytes // n))
     bytes_per_s = min(_MAX_BYTES_PER_S, link / max(large - tiny, link / _MAX_BYTES_PER_S))
-    return LinkProbe(tiny, bytes_per_s, lws)
+    return LinkProbe(tiny, bytes_per_s, lws, min(pair, tiny) if pairs else None)
 
 
 def measure_latency_bytes(group: Optional[dist.ProcessGroup], device: torch.device = torch.device("cpu"),
@@ -115,4 +145,4 @@ def measure_latency_bytes(group: Optional[dist.ProcessGroup], device: torch.devi
     """
     if dist.get_world_size(group) == 1:
         return 0.0
-    return measure_link(group, device, 1, repeats, large_bytes).latency_bytes
+    return measure_link(group, device, 1, repeats, large_bytes, pairs=False).latency_bytes

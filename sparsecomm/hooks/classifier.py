@@ -18,7 +18,7 @@ from sparsecomm.cost_model import (FittedCost, allgather_bytes, dense_allreduce_
 from sparsecomm.types import SyncMethod
 
 __all__ = ["Decision", "choose_method", "COLLECTIVES_PER_METHOD", "collectives", "bottleneck_bytes", "host_layout",
-           "method_costs"]
+           "method_costs", "latency_seconds", "exchange_latency"]
 
 # Round trips each method makes; each is charged the latency of one collective.
 # Flat partitioned: metadata (+ push counts), push, pull counts, pull; two-level
@@ -51,6 +51,45 @@ def collectives(method: SyncMethod, world_size: int, ranks_per_host: int = 1, lo
     if method is SyncMethod.PARTITIONED and local_aggregation and host_layout(world_size, ranks_per_host) > 1:
         return latency_steps("two_level", world_size)
     return COLLECTIVES_PER_METHOD[method]
+
+
+def exchange_latency(ranks: int, world_size: int, latency_s: float, pair_latency_s: float) -> float:
+    """Latency of one exchange among ``ranks`` ranks: a pair's at 2, a whole-group all-to-all's at N, linear between.
+
+    An all-to-all posts a send and a receive per peer; its fixed cost grows
+    with the peers (measured here: a tree stage's pairwise message ~0.2-0.4
+    of an 8-rank all-to-all).
+    """
+    if ranks <= 2 or world_size <= 2:
+        return pair_latency_s if ranks <= 2 else latency_s
+    return pair_latency_s + (latency_s - pair_latency_s) * min(1.0, (ranks - 2) / (world_size - 2))
+
+
+def latency_seconds(method: SyncMethod, world_size: int, latency_s: float, pair_latency_s: Optional[float] = None,
+                    ranks_per_host: int = 1, local_aggregation: bool = True) -> float:
+    """Fixed cost of one call of ``method``: each of its exchanges priced by how many ranks take part.
+
+    ``latency_s``: an all-to-all among all N ranks; ``pair_latency_s``: an
+    exchange between two ranks (default: the same, i.e. every exchange costs
+    a collective). Allgather: 2 all-to-alls; flat partitioned: 4; two-level:
+    1 + 4 among a host's L + 4 among the M hosts; tree: 2 + 2 log2 P
+    pairwise stages (+4 folding when N is not a power of two); torch (gloo's
+    ring all-gathers): 3 (N-1) pairwise hops; densify: 3.
+    """
+    n = world_size
+    if n <= 1:
+        return 0.0
+    pair = latency_s if pair_latency_s is None else pair_latency_s
+    lws = host_layout(n, ranks_per_host)
+    if method is SyncMethod.PARTITIONED and local_aggregation and lws > 1:
+        return (latency_s + 4 * exchange_latency(lws, n, latency_s, pair)
+                + 4 * exchange_latency(n // lws, n, latency_s, pair))
+    if method is SyncMethod.TREE:
+        steps = latency_steps("tree", n)
+        return 2 * latency_s + (steps - 2) * pair
+    if method is SyncMethod.TORCH:
+        return latency_steps("torch", n) * pair
+    return COLLECTIVES_PER_METHOD[method] * latency_s
 
 
 def bottleneck_bytes(method: SyncMethod, world_size: int, num_rows: int, row_elems: int, elem_bytes: int,
@@ -162,7 +201,9 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
                         allowed, latency_bytes, link, lws, union_node, local_aggregation)
     best = min(cost, key=lambda m: (cost[m], list(SyncMethod).index(m)))
     if link is not None:
-        reason = (f"est. ms/call (latency {link.latency_s * 1e3:.3g} ms, link {link.bytes_per_s / 1e6:.3g} MB/s): "
+        pair = link.latency_s if link.pair_latency_s is None else link.pair_latency_s
+        reason = (f"est. ms/call (all-to-all {link.latency_s * 1e3:.3g} ms, pair {pair * 1e3:.3g} ms, "
+                  f"link {link.bytes_per_s / 1e6:.3g} MB/s): "
                   + ", ".join(f"{m.value} {c * 1e3:.3g}" for m, c in cost.items()) + " " + shape)
     else:
         reason = ("est. bytes on the busiest link incl. latency: "
@@ -175,10 +216,15 @@ def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int
                  link: Optional[LinkProbe] = None, ranks_per_host: int = 1, union_node: Optional[float] = None,
                  local_aggregation: bool = True) -> Dict[SyncMethod, float]:
     """The default model's cost of each allowed method: seconds with ``link``, else bytes (latency as bytes)."""
-    lat, bps = (link.latency_s, link.bytes_per_s) if link is not None else (latency_bytes, 1.0)
     lws = host_layout(world_size, ranks_per_host)
-    return {m: collectives(m, world_size, lws, local_aggregation) * lat
-            + bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows_,
+    if link is not None:
+        fixed = {m: latency_seconds(m, world_size, link.latency_s, link.pair_latency_s, lws, local_aggregation)
+                 for m in allowed}
+        bps = link.bytes_per_s
+    else:
+        fixed = {m: collectives(m, world_size, lws, local_aggregation) * latency_bytes for m in allowed}
+        bps = 1.0
+    return {m: fixed[m] + bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows_,
                                lws, union_node, local_aggregation) / bps
             for m in allowed}
 
