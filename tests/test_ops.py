@@ -481,6 +481,30 @@ def test_coalesce_paths_are_bitwise_independent_of_thread_count(dtype, narrow):
     assert torch.equal(u, results[0][1]) and torch.equal(_bits(s), _bits(results[0][2]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_outputs_keep_every_sum(dtype, threads):
+    # Outputs of 4 MiB and more get huge-page advice and a first touch of every page before the sum
+    # (prepare_output in coalesce.cpp; fp16 also its float32 scratch): each element must still be its sum,
+    # the same bits as a coalesce of a subset of the ids, whose output is too small to be prepared.
+    n = 300_000
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 1_000_000, (n,), generator=g)
+    ids[:1000] = ids[1000:2000]  # some ids repeat
+    values = torch.randn(n, 16, generator=g).to(dtype)
+    dense, u, s = _coalesce_with(ids, values, -1, threads, True)
+    radix, r_u, r_s = _coalesce_with(ids, values, -1, threads, False)
+    assert dense and not radix and s.numel() * s.element_size() >= 4 << 20
+    assert torch.equal(u, r_u) and torch.equal(_bits(s), _bits(r_s))
+    small = ids < 100_000
+    _, small_u, small_s = _coalesce_with(ids[small], values[small], -1, threads, True)
+    assert small_s.numel() * small_s.element_size() < 4 << 20
+    k = small_u.numel()
+    assert torch.equal(u[:k], small_u) and torch.equal(_bits(s[:k]), _bits(small_s))
+    ref_u, ref = _ref_coalesce(ids, values)
+    assert torch.equal(u, ref_u) and torch.allclose(s.double(), ref, atol=_tol(dtype, 4), rtol=0)
+
+
 def test_dense_slot_map_edge_cases():
     values = torch.randn(3, 2)
     # Empty input: no groups, nothing written.
