@@ -240,3 +240,21 @@ def test_latency_prices_each_exchange_by_its_participants():
     # Without a pair measurement every exchange costs an all-to-all (the collective count).
     assert latency_seconds(S.TREE, 8, a2a) == pytest.approx(8 * a2a)
     assert latency_seconds(S.TORCH, 1, a2a, pair) == 0.0
+
+
+def _probe_worker(rank, world):
+    from sparsecomm.collectives.probe import measure_latency_bytes, measure_link
+
+    small = 1 << 20
+    return (measure_link(None, ranks_per_host=2, large_bytes=small), measure_link(None, pairs=True, large_bytes=small),
+            measure_latency_bytes(None, large_bytes=small))
+
+
+@pytest.mark.slow
+def test_link_probe_is_the_same_on_every_rank():
+    res = run_ranks(4, _probe_worker)
+    hosts, pairs, lat_bytes = res[0]
+    assert all(res[r] == res[0] for r in res)  # the slowest rank's numbers, everywhere
+    assert hosts.ranks_per_host == 2 and hosts.pair_latency_s is None and hosts.latency_s > 0
+    assert pairs.ranks_per_host == 1 and 0 < pairs.pair_latency_s <= pairs.latency_s
+    assert hosts.bytes_per_s > 0 and 1024 <= lat_bytes <= 1 << 26

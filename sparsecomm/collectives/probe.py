@@ -102,7 +102,7 @@ def _time_pairs(group, dev, n: int, lws: int, repeats: int) -> float:
 
 
 def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torch.device("cpu"),
-                 ranks_per_host: int = 1, repeats: int = 5, large_bytes: int = 4 << 20, pairs: bool = True
+                 ranks_per_host: int = 1, repeats: int = 5, large_bytes: int = 4 << 20, pairs: bool = False
                  ) -> LinkProbe:
     """Latency of a tiny all-to-all and bytes/s of a host's link under a large one: the same on every rank.
 
@@ -111,9 +111,12 @@ def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torc
     tiny messages (after one warm-up each), then the slowest rank's numbers
     (one all-reduce), so every rank prices collectives alike. ``ranks_per_host`` (L, ranks of a host contiguous in the group) says how
     many ranks share a host's link: the large all-to-all puts
-    L (N-L)/N x ``large_bytes`` on it. With ``pairs``, also a tiny exchange
-    between two ranks on different hosts (rank ^ L; point-to-point: the
-    tree's stages and a ring's hops cost that, not an all-to-all among N).
+    L (N-L)/N x ``large_bytes`` on it. With ``pairs`` (off by default), also
+    a tiny exchange between two ranks on different hosts (rank ^ L): what a
+    tree stage or a ring hop might cost. Off because it priced them too low
+    here: an idle pair exchange took ~0.1 of an 8-rank all-to-all, a hop
+    inside torch's ring ~0.2-0.3, and the classifier then took torch or the
+    tree where allgather was up to 2.2x faster (docs/DESIGN.md).
     """
     n = dist.get_world_size(group)
     if n == 1:
