@@ -151,7 +151,7 @@ def _flush(state: SparseCommState) -> None:
             try:
                 state.record(it.path, s.bytes_sent, s.bytes_recv, share)
                 if it.decide:
-                    state.maybe_decide(it.name, s, it.grad.element_size(), it.call)
+                    state.maybe_decide(it.name, s, it.grad.element_size(), it.call, seconds=share)
                 value = it.finish(out)
             except Exception as exc:
                 it.future.set_exception(exc)

@@ -131,7 +131,7 @@ class SparseCommState:
         # tunable settings
         "process_group", "compression", "overrides", "sparse_dense_embeddings", "scheme", "local_world_size",
         "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every", "overlap_sparse", "fuse_dense",
-        "tune", "tune_samples", "tune_every", "link", "_tuners", "_tls",
+        "tune", "tune_samples", "tune_every", "link", "_tuners",
         # internal state
         "world_size", "_sparse_group", "param_names", "dense_embedding_names", "decisions",
         "iteration", "_decided_at", "_calls", "_suggested", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_clear_empty",
@@ -211,7 +211,6 @@ class SparseCommState:
         self._empty_sparse: List[nn.Parameter] = []
         self._cleanup_queued = False
         self._lock = threading.Lock()         # counters are updated from the autograd and the worker thread
-        self._tls = threading.local()         # the last sync time `record` saw on this thread (the tuner's clock)
 
     @property
     def sparse_group(self) -> dist.ProcessGroup:
@@ -282,7 +281,7 @@ class SparseCommState:
         # uses the default group. Parameter names are keyed by this process's
         # tensor addresses: call attach(model) again after unpickling.
         skip = {"process_group", "_sparse_group", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_cleanup_queued",
-                "_lock", "param_names", "_clear_empty", "_tls"}
+                "_lock", "param_names", "_clear_empty"}
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -313,8 +312,8 @@ class SparseCommState:
                      seconds: Optional[float] = None) -> None:
         """Decide ``name``'s path from a completed sync's global counts (same numbers on every rank).
 
-        ``seconds``: the sync's time on this rank, for the tuner (default: what
-        :meth:`record` last saw on this thread, which the hook calls first).
+        ``seconds``: the sync's time on this rank, for the tuner (default: the
+        sync's own measured phases, ``s.total_seconds``).
         """
         # `call` is this parameter's sync count, taken on the autograd thread in
         # program order: the same on every rank, unlike `iteration`.
@@ -322,8 +321,6 @@ class SparseCommState:
             return
         tuner = self._tuners.get(name)
         if tuner is not None:
-            if seconds is None:
-                seconds = getattr(self._tls, "seconds", None)
             if tuner.record(call, s.total_seconds if seconds is None else seconds):
                 self._settle(name, tuner, s)
             return
@@ -397,7 +394,6 @@ class SparseCommState:
             self.iteration += 1
 
     def record(self, path: str, sent: int, recv: int, seconds: float) -> None:
-        self._tls.seconds = seconds
         with self._lock:
             self.stats[path].add(sent, recv, seconds)
             self.step_stats[path].add(sent, recv, seconds)
