@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import importlib.util
 
 import pytest
 import torch
@@ -195,3 +196,29 @@ def runs(world):
 def test_compiled_training_matches_eager_on_every_rank(world):
     for rank, out in runs(world).items():
         assert out == {**{name: True for name in VARIANTS}, "inductor": True, "bad": True}, f"rank {rank}: {out}"
+
+
+_CUDA_OK = torch.cuda.is_available() and importlib.util.find_spec("cupy") is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA_OK, reason="needs a CUDA device and CuPy (pip install sparsecomm[gpu])")
+def test_compiled_lookup_on_a_cuda_table_trains_like_eager():
+    def run(backend):
+        torch._dynamo.reset()
+        emb = sh.ShardedEmbeddingBag(V, D, mode="mean", seed=3, device="cuda", padding_idx=1)
+        opt = sh.ShardedAdagrad(emb, lr=0.2, rowwise=True, fused=True)
+        f = (lambda ids, offsets: emb(ids, offsets).square().sum())
+        f = torch.compile(f, fullgraph=True, backend=backend) if backend else f
+        losses = []
+        for step in range(STEPS):
+            ids = torch.randint(0, V, (10 + step,), generator=torch.Generator().manual_seed(step)).cuda()
+            loss = f(ids, torch.tensor([0, 4, 4], device="cuda"))
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses, emb.full_weight()
+
+    eager, comp = run(None), run("aot_eager")
+    assert all(torch.equal(a, b) for a, b in zip(eager[0], comp[0]))
+    assert torch.equal(eager[1], comp[1])
