@@ -173,7 +173,8 @@ def _sync_worker(rank, world):
     return checked
 
 
-@pytest.mark.parametrize("world", [2, 3])
+# World 3 (uneven owner splits) is a slow test: the default suite keeps world 2 under its 5 minutes.
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sparse_allreduce_copies_each_row_once_and_keeps_its_results(world):
     results = run_ranks(world, _sync_worker)
     assert set(results.values()) == {24}
