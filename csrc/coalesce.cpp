@@ -13,7 +13,6 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
-#include <unistd.h>
 #endif
 
 #include "counting_sort.h"
@@ -67,8 +66,8 @@ bool build_slot_map(const void* ids, IndexType it, int64_t n, int64_t num_rows, 
   const uint64_t span = static_cast<uint64_t>(r.max - r.min) + 1;
   if (span > static_cast<uint64_t>(kSlotMapSpanPerRow) * static_cast<uint64_t>(n)) return false;
   const int64_t m = static_cast<int64_t>(span);
-  // The map over the range is scratch: fresh pages for it cost ~1,000 faults (4 MiB for 1M ids), a
-  // third of the grouping's time, so ranges up to kSlotMapCacheSpan keep theirs in the calling thread.
+  // The map over the range is scratch: fresh pages for it cost ~1,000 page faults a call (4 MiB for ids
+  // over 1M rows), so ranges up to kSlotMapCacheSpan keep theirs in the calling thread.
   thread_local std::vector<int32_t> cached;
   std::vector<int32_t> local;
   std::vector<int32_t>& scratch = m <= kSlotMapCacheSpan ? cached : local;
