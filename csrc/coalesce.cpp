@@ -26,30 +26,29 @@ namespace {
 // The widest id range whose slot map build_slot_map keeps between calls (8 MiB per calling thread).
 constexpr int64_t kSlotMapCacheSpan = int64_t{1} << 21;
 
-// Outputs at least this large get their pages prepared by prepare_output.
-constexpr size_t kPrepareOutputBytes = size_t{4} << 20;
+// Outputs at least this large get huge-page advice (advise_huge_pages).
+constexpr size_t kHugePageOutputBytes = size_t{4} << 20;
 
 // A fresh output (torch.empty: freshly mmapped, no page behind it yet) costs a page fault per 4 KiB on its
-// first write: 1M Zipf ids x 64 fp32 give a 35 MB output, ~8,600 faults, 17 ms of a 57 ms call when the
-// sum took them one by one at its random first writes. So, before the sum: ask for transparent huge pages
-// over the 2 MiB-aligned interior (honoured where THP is "always" or "madvise"; each fault then maps and
-// zeroes 2 MiB at once, and the random writes of the sum stop missing the TLB), and touch every page in
-// parallel, so the faults and the kernel's zeroing are shared by the threads. The touched bytes are
-// overwritten: callers write every output element. Nothing here changes a result; a refused madvise
-// (THP "never", another OS) only leaves 4 KiB pages.
-void prepare_output(void* out, size_t bytes, int threads) {
-  if (bytes < kPrepareOutputBytes) return;
-  auto* base = static_cast<char*>(out);
+// first writes: 1M Zipf ids x 64 fp32 give a 35 MB output, ~8,600 faults; the slot-map coalesce into it
+// took 52 ms at 1 thread, 30-32 ms with the advice below (37-42 and 29-32 ms at 2 threads; min of 11 on a
+// shared machine). Transparent huge pages over the 2 MiB-aligned interior (honoured where THP is "always"
+// or "madvise") turn those faults into ~16 that map and zero 2 MiB each, and the sum's random writes stop
+// missing the TLB: a fresh output then costs about what a warm one does. (Touching every page from all
+// threads before the sum, with and without the advice, gained nothing measurable.) Results do not change;
+// a refused advice (THP "never", another OS) only leaves 4 KiB pages.
+void advise_huge_pages(void* out, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes < kHugePageOutputBytes) return;
   constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(base) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(base) + bytes) & ~(kHuge - 1);
+  const auto base = reinterpret_cast<uintptr_t>(out);
+  const uintptr_t lo = (base + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t hi = (base + bytes) & ~(kHuge - 1);
   if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+#else
+  (void)out;
+  (void)bytes;
 #endif
-  constexpr int64_t kPage = 4096;
-  const int64_t pages = (static_cast<int64_t>(bytes) + kPage - 1) / kPage;
-#pragma omp parallel for num_threads(clamp_threads(threads)) schedule(static)
-  for (int64_t p = 0; p < pages; ++p) base[p * kPage] = 0;
 }
 
 }  // namespace
@@ -126,8 +125,8 @@ void sum_into_slots(const SlotMap& map, const void* values, int64_t d, void* out
   S* out = static_cast<S*>(out_values);
   std::unique_ptr<A[]> scratch(kInPlace ? nullptr : new A[static_cast<size_t>(u * d)]);
   A* acc = kInPlace ? reinterpret_cast<A*>(out) : scratch.get();
-  prepare_output(acc, static_cast<size_t>(u * d) * sizeof(A), threads);
-  if (!kInPlace) prepare_output(out, static_cast<size_t>(u * d) * sizeof(S), threads);
+  advise_huge_pages(acc, static_cast<size_t>(u * d) * sizeof(A));
+  if (!kInPlace) advise_huge_pages(out, static_cast<size_t>(u * d) * sizeof(S));
   std::vector<uint8_t> seen(static_cast<size_t>(u), 0);  // a slot's first row starts its sum
   const int32_t* slot = map.slot.data();
   const int64_t row_bytes = d * static_cast<int64_t>(sizeof(A));
@@ -190,7 +189,7 @@ void coalesce_apply(const RowGroups& groups, const void* values, ValueType vt, i
   const int64_t u = groups.num_groups();
   for (int64_t g = 0; g < u; ++g) store_id(out_ids, it, g, groups.group_id[g]);
   if (d == 0 || u == 0) return;
-  prepare_output(out_values, static_cast<size_t>(u * d) * value_size(vt), threads);
+  advise_huge_pages(out_values, static_cast<size_t>(u * d) * value_size(vt));
   SPARSECOMM_DISPATCH_VALUE(vt, [&] { reduce_groups<V>(groups, values, d, out_values, false, false, threads); });
 }
 
@@ -210,7 +209,7 @@ void coalesce_partition_apply(const RowGroups& groups, const void* values, Value
       [&](int64_t g, int64_t slot) { dest[g] = slot; }, counts);
   for (int64_t g = 0; g < u; ++g) store_id(out_ids, it, dest[g], groups.group_id[g]);
   if (d == 0 || u == 0) return;
-  prepare_output(out_values, static_cast<size_t>(u * d) * value_size(vt), threads);
+  advise_huge_pages(out_values, static_cast<size_t>(u * d) * value_size(vt));
   SPARSECOMM_DISPATCH_VALUE(vt, [&] {
     using S = typename Elem<V>::storage;
     const S* vals = static_cast<const S*>(values);
@@ -283,7 +282,7 @@ void coalesce_segments_apply(const RowGroups& groups, const std::vector<const vo
     using S = typename E::storage;
     using A = typename E::acc;
     auto row_at = [&](int64_t i) { return static_cast<const S*>(rows[i]); };
-    prepare_output(out_values, static_cast<size_t>(u * d) * (out_acc ? sizeof(A) : sizeof(S)), threads);
+    advise_huge_pages(out_values, static_cast<size_t>(u * d) * (out_acc ? sizeof(A) : sizeof(S)));
     if (out_acc) {
       A* out = static_cast<A*>(out_values);
       reduce_groups_with<V, A>(groups, row_at, d, [&](int64_t g) { return out + g * d; }, false, threads);

@@ -484,9 +484,9 @@ def test_coalesce_paths_are_bitwise_independent_of_thread_count(dtype, narrow):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_large_outputs_keep_every_sum(dtype, threads):
-    # Outputs of 4 MiB and more get huge-page advice and a first touch of every page before the sum
-    # (prepare_output in coalesce.cpp; fp16 also its float32 scratch): each element must still be its sum,
-    # the same bits as a coalesce of a subset of the ids, whose output is too small to be prepared.
+    # Outputs of 4 MiB and more get huge-page advice before the sum (advise_huge_pages in coalesce.cpp;
+    # fp16 also its float32 scratch): each element must still be its sum, the same bits as a coalesce of a
+    # subset of the ids, whose output is too small for the advice.
     n = 300_000
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 1_000_000, (n,), generator=g)
