@@ -172,6 +172,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("table"), py::arg("num_rows"), py::arg("value_code"), py::arg("d"), py::arg("ids"),
         py::arg("index_code"), py::arg("n"), py::arg("values"), py::arg("threads"));
 
+  m.def("rowwise_adagrad",
+        [](uintptr_t weight, uintptr_t acc, int64_t num_rows, int value_code, int64_t d, uintptr_t slots, int64_t k,
+           uintptr_t grad, double lr, double eps, int threads) {
+          const ValueType vt = to_value_type(value_code);
+          py::gil_scoped_release release;
+          rowwise_adagrad(ptr(weight), ptr(acc), num_rows, vt, d, ptr<const int64_t>(slots), k, ptr(grad), lr, eps,
+                          threads);
+        },
+        py::arg("weight"), py::arg("acc"), py::arg("num_rows"), py::arg("value_code"), py::arg("d"),
+        py::arg("slots"), py::arg("k"), py::arg("grad"), py::arg("lr"), py::arg("eps"), py::arg("threads"));
+
   m.def("openmp_enabled", [] {
 #ifdef _OPENMP
     return true;

@@ -98,4 +98,9 @@ void gather_rows(const void* table, int64_t num_rows, size_t row_bytes, const vo
 void scatter_add_rows(void* table, int64_t num_rows, ValueType vt, int64_t d, const void* ids, IndexType it,
                       int64_t n, const void* values, int threads);
 
+// Row-wise Adagrad on k distinct rows (slots strictly increasing, checked with their bounds before any
+// write): acc[s] += mean(g^2); weight[s] += g / (sqrt(acc[s]) + eps) * -lr. float32/float64.
+void rowwise_adagrad(void* weight, void* acc, int64_t num_rows, ValueType vt, int64_t d, const int64_t* slots,
+                     int64_t k, const void* grad, double lr, double eps, int threads);
+
 }  // namespace sparsecomm

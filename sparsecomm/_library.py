@@ -293,6 +293,31 @@ def _(table: Tensor, ids: Tensor, values: Tensor) -> None:
     return None
 
 
+# ------------------------------------------------------- row-wise Adagrad
+
+
+@torch.library.custom_op("sparsecomm::rowwise_adagrad_", mutates_args=("weight", "acc"), device_types="cpu")
+def rowwise_adagrad_(weight: Tensor, acc: Tensor, slots: Tensor, grad: Tensor, lr: float, eps: float) -> None:
+    check_no_overlap(weight, grad, "grad")
+    check_no_overlap(acc, grad, "grad")
+    _C.rowwise_adagrad(weight.data_ptr(), acc.data_ptr(), weight.shape[0], VALUE_CODE[weight.dtype],
+                       weight.shape[1], slots.data_ptr(), slots.shape[0], grad.data_ptr(), lr, eps,
+                       _threads(grad.numel() * grad.element_size()))
+
+
+@rowwise_adagrad_.register_kernel("cuda")
+def _(weight: Tensor, acc: Tensor, slots: Tensor, grad: Tensor, lr: float, eps: float) -> None:
+    _check_cuda_ids(slots, weight.shape[0], "slots")
+    acc.index_add_(0, slots, grad.pow(2).mean(dim=1))
+    std = acc.index_select(0, slots).sqrt_().add_(eps).unsqueeze(1)
+    weight.index_add_(0, slots, (grad / std).mul_(-lr))
+
+
+@rowwise_adagrad_.register_fake
+def _(weight: Tensor, acc: Tensor, slots: Tensor, grad: Tensor, lr: float, eps: float) -> None:
+    return None
+
+
 # -------------------------------------------------- packing a send buffer
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "coalesce_partition_rows",
     "pack_rows",
     "coalesce_segments",
+    "rowwise_adagrad_",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -44,7 +45,7 @@ _SCHEMES = {"hash": 0, "range": 1}
 
 
 
-_MUTATES = {"scatter_add_": 0, "pack_rows_": 0}  # op -> the argument it writes
+_MUTATES = {"scatter_add_": (0,), "pack_rows_": (0,), "rowwise_adagrad_": (0, 1)}  # op -> the arguments it writes
 
 
 def _run(name: str, *args):
@@ -63,8 +64,8 @@ def _run(name: str, *args):
         if all(type(t) is torch.Tensor and t.device.type == "cpu" and not (grad and t.requires_grad)
                for t in tensors):
             out = getattr(_library, name)._init_fn(*args)
-            if name in _MUTATES:
-                torch.autograd.graph.increment_version(args[_MUTATES[name]])
+            for i in _MUTATES.get(name, ()):
+                torch.autograd.graph.increment_version(args[i])
             return out
     return getattr(torch.ops.sparsecomm, name)(*args)
 
@@ -346,6 +347,42 @@ def scatter_add_rows(table: torch.Tensor, ids: torch.Tensor, values: torch.Tenso
     # The op declares that it writes `table`: the dispatcher bumps its version as for any in-place op.
     _run("scatter_add_", table.view(table.shape[0], width), ids, values.reshape(ids.shape[0], width))
     return table
+
+
+def rowwise_adagrad_(weight: torch.Tensor, acc: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor,
+                     lr: float, eps: float) -> None:
+    """Row-wise Adagrad on distinct rows, in place and in one pass (what ``ShardedAdagrad(rowwise=True)`` does).
+
+    For each ``i``: ``acc[s] += mean(grad[i] ** 2)``, then
+    ``weight[s] += grad[i] / (sqrt(acc[s]) + eps) * -lr``, with ``s = slots[i]``.
+
+    Args:
+        weight: ``(V, d)`` float32/float64 rows, updated in place.
+        acc: ``(V,)`` per-row accumulators of the same dtype, updated in place.
+        slots: ``(k,)`` int64, strictly increasing (coalesced) rows of ``weight``.
+        grad: ``(k, d)`` gradient rows, same dtype.
+        lr, eps: the step size (already decayed) and Adagrad's epsilon.
+
+    Raises:
+        TypeError, ValueError: bad types or shapes, or a slot out of range
+            or out of order (nothing is written).
+    """
+    _check_values(weight, "weight", None, slots.device if isinstance(slots, torch.Tensor) else weight.device)
+    if weight.dtype not in (torch.float32, torch.float64) or weight.dim() != 2:
+        raise TypeError(f"weight must be a 2-D float32/float64 tensor, got {weight.dtype} {tuple(weight.shape)}")
+    _check_values(acc, "acc", weight.shape[0], weight.device)
+    _check_ids(slots, "slots")
+    _check_values(grad, "grad", slots.shape[0], weight.device)
+    if slots.dtype != torch.int64:
+        raise TypeError(f"slots must be int64, got {slots.dtype}")
+    if acc.dtype != weight.dtype or grad.dtype != weight.dtype:
+        raise TypeError(f"acc ({acc.dtype}) and grad ({grad.dtype}) must have weight's dtype {weight.dtype}")
+    if acc.dim() != 1 or grad.dim() != 2 or grad.shape[1] != weight.shape[1]:
+        raise ValueError(f"acc must be (V,) and grad (k, {weight.shape[1]}), got {tuple(acc.shape)} and "
+                         f"{tuple(grad.shape)}")
+    if slots.device.type == "cuda" and slots.numel() > 1 and not bool((slots[1:] > slots[:-1]).all()):
+        raise ValueError("slots must be strictly increasing (coalesced)")
+    _run("rowwise_adagrad_", weight, acc, slots, grad, float(lr), float(eps))
 
 
 # ------------------------------------------------------ wire buffers (fused)

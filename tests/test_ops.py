@@ -521,3 +521,54 @@ def test_dense_slot_map_edge_cases():
     v = torch.tensor([[float("nan")], [1.0], [float("inf")], [2.0]])
     _, u, s = _coalesce_with(torch.tensor([4, 4, 5, 6]), v, -1, 1, True)
     assert u.tolist() == [4, 5, 6] and s[0].isnan().all() and s[1].item() == float("inf") and s[2].item() == 2.0
+
+
+# ---------------------------------------------------------- row-wise Adagrad
+
+
+def _rowwise_adagrad_ref(weight, acc, slots, grad, lr, eps):
+    """The rule in float64 torch ops on copies: (weight, acc) after one update."""
+    w, a, g = weight.double().clone(), acc.double().clone(), grad.double()
+    a[slots] += g.pow(2).mean(dim=1)
+    w[slots] += g / (a[slots].sqrt() + eps).unsqueeze(1) * -lr
+    return w, a
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rowwise_adagrad_matches_the_float64_rule(dtype, threads):
+    g = torch.Generator().manual_seed(3)
+    V, d = 5000, 64
+    weight = torch.randn(V, d, generator=g).to(dtype)
+    acc = torch.rand(V, generator=g).to(dtype)
+    slots = torch.unique(torch.randint(0, V, (3000,), generator=g))          # sorted, distinct
+    grad = torch.randn(slots.numel(), d, generator=g).to(dtype)
+    want_w, want_a = _rowwise_adagrad_ref(weight, acc, slots, grad, 0.05, 1e-8)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        w, a = weight.clone(), acc.clone()
+        ops.rowwise_adagrad_(w, a, slots, grad, 0.05, 1e-8)
+    finally:
+        torch.set_num_threads(old)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(w.double(), want_w, rtol=tol, atol=tol)
+    assert torch.allclose(a.double(), want_a, rtol=tol, atol=tol)
+    untouched = torch.ones(V, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(w[untouched], weight[untouched]) and torch.equal(a[untouched], acc[untouched])
+
+
+def test_rowwise_adagrad_refuses_bad_slots_before_writing():
+    weight, acc, grad = torch.randn(10, 4), torch.rand(10), torch.randn(3, 4)
+    for slots, match in (([1, 10, 2], "outside"), ([-1, 2, 3], "outside"), ([1, 1, 2], "strictly increasing"),
+                         ([3, 2, 5], "strictly increasing")):
+        w, a = weight.clone(), acc.clone()
+        with pytest.raises(ValueError, match=match):
+            ops.rowwise_adagrad_(w, a, torch.tensor(slots), grad, 0.1, 1e-8)
+        assert torch.equal(w, weight) and torch.equal(a, acc)
+    with pytest.raises(TypeError, match="float32/float64"):
+        ops.rowwise_adagrad_(weight.half(), acc.half(), torch.tensor([1]), grad[:1].half(), 0.1, 1e-8)
+    with pytest.raises(TypeError, match="int64"):
+        ops.rowwise_adagrad_(weight, acc, torch.tensor([1], dtype=torch.int32), grad[:1], 0.1, 1e-8)
+    ops.rowwise_adagrad_(weight, acc, torch.empty(0, dtype=torch.int64), grad[:0], 0.1, 1e-8)   # nothing to do

@@ -275,6 +275,9 @@ class ShardedAdagrad(ShardedOptimizer):
     def _update(self, group, p, state, slots, grad):
         clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
         acc = state["sum"]
+        if self.rowwise and p.dtype in (torch.float32, torch.float64):
+            ops.rowwise_adagrad_(p, acc, slots.to(torch.int64).contiguous(), grad.contiguous(), clr, group["eps"])
+            return
         if self.rowwise:
             _add_rows(acc, slots, grad.pow(2).mean(dim=1))
             std = acc.index_select(0, slots).sqrt_().add_(group["eps"]).unsqueeze(1)

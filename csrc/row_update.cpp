@@ -1,0 +1,73 @@
+// Row-wise Adagrad on distinct rows, in one pass: what ShardedAdagrad(rowwise=True) does per update.
+//
+// For each distinct slot s with gradient row g (d values):
+//   acc[s] += mean(g * g);  weight[s] += (g / (sqrt(acc[s]) + eps)) * -lr
+// The torch version takes seven passes over the rows (square, mean, add into
+// acc, gather acc, sqrt, divide, add into weight); this reads each gradient
+// row once and touches each weight row once. Rows are distinct, so threads
+// never share a row: no atomics, and the result does not depend on the
+// thread count. The mean sums a row's squares in order, which can differ
+// from torch's vectorized mean in the last bit; the element updates are the
+// same operations in the same order.
+#include <cmath>
+
+#include "ops.h"
+
+namespace sparsecomm {
+
+namespace {
+
+template <typename T>
+void rowwise_adagrad_rows(T* weight, T* acc, int64_t d, const int64_t* slots, int64_t k, const T* grad,
+                          double lr, double eps, int threads) {
+  const T neg_lr = static_cast<T>(-lr);
+  const T eps_t = static_cast<T>(eps);
+  const T inv_d = static_cast<T>(d);
+  constexpr int64_t kAhead = 8;  // weight rows are hit at random: fetch a few slots ahead
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < k; ++i) {
+    if (i + kAhead < k) {
+      const char* ahead = reinterpret_cast<const char*>(weight + slots[i + kAhead] * d);
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(ahead + byte, 1);
+      __builtin_prefetch(acc + slots[i + kAhead], 1);
+    }
+    const int64_t s = slots[i];
+    const T* g = grad + i * d;
+    T sq = 0;
+    for (int64_t j = 0; j < d; ++j) sq += g[j] * g[j];
+    const T a = acc[s] + sq / inv_d;
+    acc[s] = a;
+    const T std_dev = std::sqrt(a) + eps_t;
+    T* w = weight + s * d;
+    for (int64_t j = 0; j < d; ++j) w[j] += (g[j] / std_dev) * neg_lr;
+  }
+}
+
+}  // namespace
+
+void rowwise_adagrad(void* weight, void* acc, int64_t num_rows, ValueType vt, int64_t d, const int64_t* slots,
+                     int64_t k, const void* grad, double lr, double eps, int threads) {
+  if (vt != ValueType::kFloat32 && vt != ValueType::kFloat64)
+    throw std::invalid_argument("sparsecomm: rowwise_adagrad takes float32 or float64 rows");
+  if (num_rows < 0 || d < 0 || k < 0) throw std::invalid_argument("sparsecomm: rowwise_adagrad: negative size");
+  // Every slot in range and strictly increasing (distinct: no two threads write one row), before any write.
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t s = slots[i];
+    if (s < 0 || s >= num_rows)
+      throw std::invalid_argument("sparsecomm: rowwise_adagrad: slot " + std::to_string(s) + " outside [0, " +
+                                  std::to_string(num_rows) + ")");
+    if (i > 0 && s <= slots[i - 1])
+      throw std::invalid_argument("sparsecomm: rowwise_adagrad: slots must be strictly increasing (coalesced)");
+  }
+  if (k == 0) return;
+  threads = clamp_threads(threads);
+  if (vt == ValueType::kFloat32)
+    rowwise_adagrad_rows(static_cast<float*>(weight), static_cast<float*>(acc), d, slots, k,
+                         static_cast<const float*>(grad), lr, eps, threads);
+  else
+    rowwise_adagrad_rows(static_cast<double*>(weight), static_cast<double*>(acc), d, slots, k,
+                         static_cast<const double*>(grad), lr, eps, threads);
+}
+
+}  // namespace sparsecomm
