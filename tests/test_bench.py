@@ -133,6 +133,8 @@ def test_sparse_sync_self_spawn_all_methods_correct(tmp_path):
     assert "done in" not in out.stdout
 
 
+# Slow (a multi-rank launch per method); the default suite keeps the allreduce benchmark's wrong-result test.
+@pytest.mark.slow
 def test_sparse_sync_wrong_results_are_counted_for_every_method(tmp_path):
     js = tmp_path / "sparse.json"
     corrupt = ["torch_sparse", "allgather", "sparsecomm", "sparsecomm_auto"]

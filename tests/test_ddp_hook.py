@@ -214,6 +214,8 @@ def _unused_tables(rank, world, route):
     return max_diff(ours.module, single)
 
 
+# Slow (a spawned world); the default suite trains through sparsecomm.register in the tests above.
+@pytest.mark.slow
 def test_register_comm_hook_route_handles_unused_tables_like_register():
     for diff in run_ranks(2, _unused_tables, "comm_hook").values():
         assert diff < 2e-5
