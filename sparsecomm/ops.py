@@ -367,12 +367,12 @@ def rowwise_adagrad_(weight: torch.Tensor, acc: torch.Tensor, slots: torch.Tenso
         TypeError, ValueError: bad types or shapes, or a slot out of range
             or out of order (nothing is written).
     """
-    _check_values(weight, "weight", None, slots.device if isinstance(slots, torch.Tensor) else weight.device)
+    _check_ids(slots, "slots")
+    _check_values(weight, "weight", None, slots.device)
     if weight.dtype not in (torch.float32, torch.float64) or weight.dim() != 2:
         raise TypeError(f"weight must be a 2-D float32/float64 tensor, got {weight.dtype} {tuple(weight.shape)}")
-    _check_values(acc, "acc", weight.shape[0], weight.device)
-    _check_ids(slots, "slots")
-    _check_values(grad, "grad", slots.shape[0], weight.device)
+    _check_values(acc, "acc", weight.shape[0], slots.device)
+    _check_values(grad, "grad", slots.shape[0], slots.device)
     if slots.dtype != torch.int64:
         raise TypeError(f"slots must be int64, got {slots.dtype}")
     if acc.dtype != weight.dtype or grad.dtype != weight.dtype:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from sparsecomm.collectives.groups import comm_device
 
-__all__ = ["measure_latency_bytes", "measure_link", "LinkProbe", "alltoall_host_link_bytes"]
+__all__ = ["measure_latency_bytes", "measure_link", "LinkProbe", "alltoall_host_link_bytes", "host_layout"]
 
 
 _MAX_BYTES_PER_S = 100e9  # no link here is faster: keeps a noisy timing from pricing latency absurdly
@@ -53,15 +53,19 @@ class LinkProbe:
         return min(hi, max(lo, self.latency_s * self.bytes_per_s))
 
 
+def host_layout(world_size: int, ranks_per_host: Optional[int]) -> int:
+    """Ranks per host L the cost model can use: ``ranks_per_host`` if 1 < L < N and L divides N, else 1."""
+    lws = ranks_per_host or 1
+    return lws if 1 < lws < world_size and world_size % lws == 0 else 1
+
+
 def alltoall_host_link_bytes(world_size: int, ranks_per_host: int, bytes_per_rank: float) -> float:
     """Bytes one host sends to the others in an all-to-all where each rank sends ``bytes_per_rank`` in all.
 
     Each rank sends ``bytes_per_rank / N`` to every rank; the L ranks of a
     host (contiguous) send to the N - L ranks elsewhere: L (N - L) / N x bytes.
     """
-    n, lws = world_size, max(1, ranks_per_host)
-    if n % lws or lws >= n:
-        lws = 1
+    n, lws = world_size, host_layout(world_size, ranks_per_host)
     return lws * (n - lws) / n * bytes_per_rank
 
 
@@ -121,7 +125,7 @@ def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torc
     n = dist.get_world_size(group)
     if n == 1:
         return LinkProbe(0.0, _MAX_BYTES_PER_S, 1)
-    lws = ranks_per_host if ranks_per_host and 1 <= ranks_per_host < n and n % ranks_per_host == 0 else 1
+    lws = host_layout(n, ranks_per_host)
     dev = comm_device(group, device)
     # Tiny messages are cheap to repeat and their times scatter most (ranks sharing CPUs): 3x the samples.
     tiny = _time_alltoall(group, dev, n, 8 * n, 3 * repeats)

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Union
 
-from sparsecomm.collectives.probe import LinkProbe
+from sparsecomm.collectives.probe import LinkProbe, host_layout
 from sparsecomm.cost_model import (FittedCost, allgather_bytes, dense_allreduce_bytes, host_link_bytes,
                                    latency_steps, load_fitted_cost, partitioned_floor_bytes, tree_bytes,
                                    union_rows)
@@ -33,12 +33,6 @@ COLLECTIVES_PER_METHOD = {SyncMethod.PARTITIONED: 4, SyncMethod.ALLGATHER: 2, Sy
 # Which fitted cluster method prices each sync method (densify is a dense allreduce plus a 1-byte mask).
 _FITTED_NAME = {SyncMethod.PARTITIONED: "partitioned", SyncMethod.ALLGATHER: "allgather",
                 SyncMethod.DENSIFY: "dense", SyncMethod.TORCH: "torch", SyncMethod.TREE: "tree"}
-
-
-def host_layout(world_size: int, ranks_per_host: Optional[int]) -> int:
-    """Ranks per host L the cost model can use: ``ranks_per_host`` if 1 < L < N and L divides N, else 1."""
-    lws = ranks_per_host or 1
-    return lws if 1 < lws < world_size and world_size % lws == 0 else 1
 
 
 def collectives(method: SyncMethod, world_size: int, ranks_per_host: int = 1, local_aggregation: bool = True
@@ -169,16 +163,9 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
     if ranks_per_host is None:
         ranks_per_host = link.ranks_per_host if link is not None else 1
     lws = host_layout(world_size, ranks_per_host)
-    row = row_elems * elem_bytes + index_bytes
-    est = {
-        SyncMethod.PARTITIONED.value: partitioned_floor_bytes(world_size, rows_mean, union_rows, row),
-        SyncMethod.ALLGATHER.value: allgather_bytes(world_size, rows_mean, row),
-        # the table plus a one-byte row mask
-        SyncMethod.DENSIFY.value: dense_allreduce_bytes(world_size, num_rows, row_elems * elem_bytes + 1, 1),
-        # gloo gathers every rank's ids as int64 and its values
-        SyncMethod.TORCH.value: allgather_bytes(world_size, rows_mean, row_elems * elem_bytes + 8),
-        SyncMethod.TREE.value: tree_bytes(world_size, rows_mean, union_rows, row),
-    }
+    # Bytes per rank (one rank per host), reported with the decision.
+    est = {m.value: bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean,
+                                     union_rows) for m in SyncMethod}
     allowed = [m for m in SyncMethod if m is not SyncMethod.TORCH] if allowed is None else list(allowed)
     if world_size <= 1:
         return Decision(SyncMethod.PARTITIONED, "world size 1: nothing to exchange", est)
