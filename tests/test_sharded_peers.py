@@ -22,6 +22,7 @@ import torch
 import sparsecomm.sharded as sh
 from sparsecomm import ops
 from sparsecomm.collectives import groups, sharded_exchange
+from sparsecomm.collectives.sharded_exchange import FINGERPRINT_LEN
 from sparsecomm.sharded import checkpoint as ckpt
 
 from distributed import expect_value_error, run_cases, run_ranks
@@ -30,10 +31,11 @@ WORLD = 3
 BAD = 2            # the rank that corrupts what it sends
 V, D = 30, 4
 # Columns of a metadata row: status 0, detail 1, round 2, capacity 3, tables 4, width 5, looked-up flag 6,
-# owned rows 7, fingerprint 8..11, counts 12..14, path (1: pooled) 15, per-sample-weight bytes 16, pooled
-# occurrences 17..19 and bags 20..22 per owner, two byte estimates 23..24, then (once the table has a capacity)
+# owned rows 7, fingerprint 8..12, counts 13..15, path (1: pooled) 16, per-sample-weight bytes 17, pooled
+# occurrences 18..20 and bags 21..23 per owner, two byte estimates 24..25, then (once the table has a capacity)
 # the ids for the peer, followed by a pooled lookup's positions and bag lengths (int32 pairs in int64 words).
-META_STATUS, META_CAPACITY, META_NUM_LOCAL, META_COUNTS = 0, 3, 7, 12
+META_STATUS, META_CAPACITY, META_NUM_LOCAL = 0, 3, 7
+META_COUNTS = 8 + FINGERPRINT_LEN
 META_PATH = META_COUNTS + WORLD
 META_WEIGHT_BYTES = META_PATH + 1
 META_OCC = META_PATH + 2

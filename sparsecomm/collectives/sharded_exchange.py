@@ -71,7 +71,7 @@ _META_HEAD = 6
 _MESSAGE_WIDTH: Dict[Any, int] = {}
 # No rank needs more columns than this (a peer announcing more is refused before anything is sized from it).
 _MAX_WIDTH = 1 << 22
-FINGERPRINT_LEN = 4
+FINGERPRINT_LEN = 5
 # Per table, after the counts: path (0 rows, 1 pooled), per-sample-weight bytes, per owner the occurrences and
 # the bags sent to it (pooled), then this rank's byte estimates of both paths (the next round's choice).
 _POOL_HEAD = 2
@@ -267,8 +267,9 @@ def _meta_problem(rows: List[_Meta], counts: torch.Tensor, occurrences: torch.Te
         theirs = [fp[1:] for fp in m.tables]
         ours = [fp[1:] for fp in mine.tables]
         if theirs != ours:
-            return (f"rank {me} is looking up tables {ours} (num_embeddings, embedding_dim, table id, kind) but "
-                    f"rank {r} is looking up {theirs}: ranks must call the same tables in the same order")
+            return (f"rank {me} is looking up tables {ours} (num_embeddings, embedding_dim, table id, kind, "
+                    f"hot-row version) but rank {r} is looking up {theirs}: ranks must call the same tables in the "
+                    f"same order (and load states into them on every rank)")
     for r, m in enumerate(rows):
         if m.capacity != rows[0].capacity:
             return (f"ranks pad their ids to different capacities (rank 0: {rows[0].capacity}, rank {r}: "
@@ -643,13 +644,20 @@ def exchange_rows(rows: Sequence[torch.Tensor], routes: Routes, group: Optional[
 
 
 def allgather_table_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int,
-                         group: Optional[dist.ProcessGroup]) -> Tuple[torch.Tensor, torch.Tensor]:
+                         group: Optional[dist.ProcessGroup], complete: bool = True
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Give every rank every rank's ``(ids, rows)``: assembles a full table from its shards.
+
+    Args:
+        complete: the ranks' ids together must be every id of ``[0, num_rows)``
+            exactly once (a whole table); False: any ids of ``[0, num_rows)``
+            (the caller checks which).
 
     Raises:
         ValueError: on every rank (all receive the same counts and ids), when
-            a rank announces more rows than the table has, or the shards do
-            not hold every id of ``[0, num_rows)`` exactly once.
+            a rank announces more rows than the table has, an id falls outside
+            ``[0, num_rows)``, or (``complete``) the shards do not hold every
+            id of ``[0, num_rows)`` exactly once.
     """
     if group is None:
         return ids, values
@@ -658,8 +666,13 @@ def allgather_table_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int,
                                          device=dev, max_rows=num_rows)
     out_ids = out_ids.to(torch.int64)
     # Checked before the ids index anything: a negative id would silently wrap around.
-    if out_ids.numel() != num_rows or (out_ids.numel() and (int(out_ids.min()) < 0 or int(out_ids.max()) >= num_rows)) \
-            or not bool((torch.bincount(out_ids, minlength=num_rows) == 1).all()):
+    outside = bool(out_ids.numel()) and (int(out_ids.min()) < 0 or int(out_ids.max()) >= num_rows)
+    if not complete:
+        if outside:
+            raise ValueError(f"sparsecomm sharded table: a rank shared ids outside [0, {num_rows}): a bug or a "
+                             f"version mismatch between ranks")
+        return out_ids, out_values
+    if out_ids.numel() != num_rows or outside or not bool((torch.bincount(out_ids, minlength=num_rows) == 1).all()):
         raise ValueError(f"sparsecomm sharded table: the ranks' shards do not hold every id of [0, {num_rows}) "
                          f"exactly once: a bug or a version mismatch between ranks")
     return out_ids, out_values

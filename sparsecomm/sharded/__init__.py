@@ -7,11 +7,12 @@ lookups pull rows from their owners and backward pushes the gradients back
 
 from sparsecomm.sharded.checkpoint import CheckpointError, export_full, load, save, verify
 from sparsecomm.sharded.embedding import Prefetched, ShardedEmbedding, ShardedEmbeddingBag, prefetch, sharded_modules
+from sparsecomm.sharded.hot import HotRowConfig
 from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.sharded.lookup import TableSet, flush, group_tables
 from sparsecomm.sharded.optimizer import ShardedAdagrad, ShardedAdam, ShardedOptimizer, ShardedSGD
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "ShardedOptimizer", "ShardedSGD", "ShardedAdagrad",
-           "ShardedAdam", "RowLayout", "sharded_modules",
+           "ShardedAdam", "HotRowConfig", "RowLayout", "sharded_modules",
            "TableSet", "group_tables", "flush", "prefetch", "Prefetched", "save", "load", "verify", "export_full",
            "CheckpointError"]

@@ -442,6 +442,7 @@ def load(directory: str, model: nn.Module, optimizer: Any = None, strict: bool =
         opt_tables = _optimizer_tables(optimizer, tables)
         for name, t in tables:
             e = new[name]
+            t._drop_hot()  # its replicated rows and their optimizer state are stale now
             t.local_weight.copy_(e["weight"])
             if name in opt_tables:
                 state = optimizer.state[opt_tables[name]]

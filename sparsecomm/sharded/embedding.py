@@ -38,6 +38,7 @@ from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import (STATUS_BAD_INPUT, STATUS_ID_RANGE, STATUS_OK,
                                                      allgather_table_rows, broadcast_int, sharded_group, world)
 from sparsecomm.sharded import compiled
+from sparsecomm.sharded.hot import HotRowConfig, HotRows
 from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.sharded.lookup import Bags, Lookup, TableSet, pool_rows
 from sparsecomm.types import PartitionScheme, SparseSyncStats
@@ -61,8 +62,8 @@ class _ShardedTable(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
                  scheme: str = "hash", group=None, grad_reduction: str = "mean", seed: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None, device=None, _weight: Optional[torch.Tensor] = None,
-                 _freeze: bool = False) -> None:
+                 dtype: Optional[torch.dtype] = None, device=None, hot_rows: Optional[HotRowConfig] = None,
+                 _weight: Optional[torch.Tensor] = None, _freeze: bool = False) -> None:
         super().__init__()
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
@@ -75,6 +76,8 @@ class _ShardedTable(nn.Module):
                 raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}), "
                                  f"got {padding_idx}")
             padding_idx = padding_idx % num_embeddings
+        if hot_rows is not None and not isinstance(hot_rows, HotRowConfig):
+            raise TypeError(f"hot_rows must be a sparsecomm.sharded.HotRowConfig or None, got {type(hot_rows).__name__}")
         dtype = dtype or torch.get_default_dtype()
         if dtype not in ops.VALUE_DTYPES:
             raise TypeError(f"dtype must be one of {ops.VALUE_DTYPES}, got {dtype}")
@@ -98,6 +101,9 @@ class _ShardedTable(nn.Module):
         self.seed = broadcast_int(seed, self._group)
         self._optimizer: Optional[weakref.ref] = None
         self.local_weight = torch.empty(self.layout.num_local, embedding_dim, dtype=dtype, device=device)
+        # Replicated hot rows (sparsecomm.sharded.hot), or None.
+        self.hot: Optional[HotRows] = HotRows(hot_rows, embedding_dim, dtype, device) \
+            if hot_rows is not None and hot_rows.budget_bytes > 0 else None
         if _weight is not None:
             self.load_full_weight(_weight)
         else:
@@ -120,6 +126,7 @@ class _ShardedTable(nn.Module):
         chunks; under "hash" it draws every chunk once and keeps its rows
         (time ~V, memory one chunk). The padding row is zeroed.
         """
+        self._drop_hot()
         ids = self.layout.owned_ids().cpu()
         bounds = torch.searchsorted(ids, torch.arange(0, self.num_embeddings + _INIT_CHUNK, _INIT_CHUNK)).tolist()
         for chunk in range(len(bounds) - 1):
@@ -152,6 +159,7 @@ class _ShardedTable(nn.Module):
         if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"expected a ({self.num_embeddings}, {self.embedding_dim}) table, "
                              f"got {tuple(weight.shape)}")
+        self._drop_hot()
         self.local_weight.copy_(weight[self.layout.owned_ids().to(weight.device)])
 
     @torch.no_grad()
@@ -215,9 +223,16 @@ class _ShardedTable(nn.Module):
         handle.lookup.grad_enabled = torch.is_grad_enabled()
         return handle.lookup
 
-    def fingerprint(self) -> Tuple[int, int, int, int]:
-        """Ints every rank's lookup of this table must agree on: shape, construction order, kind."""
-        return (self.num_embeddings, self.embedding_dim, self.table_id, self._kind)
+    def fingerprint(self) -> Tuple[int, int, int, int, int]:
+        """Ints every rank's lookup of this table must agree on: shape, construction order, kind, hot-set version."""
+        return (self.num_embeddings, self.embedding_dim, self.table_id, self._kind,
+                self.hot.version if self.hot is not None else 0)
+
+    def _drop_hot(self) -> None:
+        """Forget the replicated hot rows (their shard rows or optimizer state were replaced)."""
+        hot = getattr(self, "hot", None)
+        if hot is not None:
+            hot.drop()
 
     def _padding_position(self, unique: torch.Tensor) -> Optional[int]:
         """Position of the padding row among a round's sorted unique ids, or None."""
@@ -246,6 +261,14 @@ class _ShardedTable(nn.Module):
         return torch.sparse_coo_tensor(slots.view(1, -1), rows, tuple(self.local_weight.shape),
                                        check_invariants=False, is_coalesced=coalesced or None)
 
+    def _hot_gradient(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """The hot rows' gradient, summed over ranks: applied now (fused optimizer) or kept for ``step()``."""
+        opt = self._optimizer() if self._optimizer is not None else None
+        if opt is not None and getattr(opt, "fused", False):
+            opt.apply_hot(self, positions, rows)
+        else:
+            self.hot.add_gradient(positions, rows)
+
     # ---------------------------------------------------------- bookkeeping
 
     def _attach_optimizer(self, optimizer) -> None:
@@ -260,7 +283,8 @@ class _ShardedTable(nn.Module):
         return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
 
     def memory_breakdown(self) -> Dict[str, int]:
-        """Bytes this rank holds for the table: ``weight``, ``ownership_map``, ``optimizer_state``, ``grad``."""
+        """Bytes this rank holds for the table: ``weight``, ``ownership_map``, ``optimizer_state``,
+        ``hot_rows`` (the replica: rows, their optimizer state, index, the window's counts), ``grad``."""
         w = self.local_weight
         grad = 0
         if w.grad is not None:
@@ -270,6 +294,7 @@ class _ShardedTable(nn.Module):
         return {"weight": w.numel() * w.element_size(),
                 "ownership_map": self.layout.nbytes,
                 "optimizer_state": sum(t.numel() * t.element_size() for t in self.optimizer_state().values()),
+                "hot_rows": self.hot.nbytes() if self.hot is not None else 0,
                 "grad": grad}
 
     def memory_bytes(self, include_grad: bool = False) -> int:
@@ -332,6 +357,7 @@ class _ShardedTable(nn.Module):
             error_msgs.append(problem)
             return
         with torch.no_grad():
+            self._drop_hot()
             self.local_weight.copy_(weight)
 
     def extra_repr(self) -> str:
@@ -363,6 +389,9 @@ class ShardedEmbedding(_ShardedTable):
         seed: initial values are N(0, 1) drawn from ``seed`` per row, the same
             at any world size; default: rank 0 draws one from torch's RNG.
         dtype, device: of the shard (and of the rows a lookup returns).
+        hot_rows: a :class:`~sparsecomm.sharded.HotRowConfig` to keep the
+            most looked-up rows replicated on every rank within a memory
+            budget (``sparsecomm.sharded.hot``); None (default): all sharded.
 
     Attributes:
         local_weight: ``(num_local, d)`` tensor of the rows this rank owns, in
@@ -435,7 +464,8 @@ class ShardedEmbeddingBag(_ShardedTable):
             and a table looked up twice in one round always take rows.
             ``stats.pooled_lookups`` / ``stats.row_lookups`` count each path.
         **kwargs: ``scheme``, ``group``, ``grad_reduction``, ``seed``,
-            ``dtype``, ``device`` as :class:`ShardedEmbedding`.
+            ``dtype``, ``device``, ``hot_rows`` as :class:`ShardedEmbedding`
+            (a table with a hot set takes the rows path).
     """
 
     _kind = _KIND_BAG

@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_map
 from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import (STATUS_OK, PooledRequest, Routes, TableRequest, exchange_rows,
                                                      finish_request, pack_words, pull_rows, start_request, world)
+from sparsecomm.sharded.hot import sync_hot_gradients
 from sparsecomm.types import SparseSyncStats
 
 __all__ = ["Bags", "Lookup", "TableSet", "group_tables", "flush", "pool_rows", "choose_pooling"]
@@ -158,7 +159,8 @@ def resolve(tree: Any) -> Any:
 class _Table:
     """What a round keeps of one table.
 
-    As requester: its unique ids, their owners, each lookup's inverse, and
+    As requester: its unique ids, their owners (of the cold ones, when the
+    table replicates hot rows), each lookup's inverse, and
     for a pooled lookup the bag of every partial row it gets back. As owner:
     the slots whose gradient rows it receives (``grad_slots``, their ids
     ``grad_ids``); when some requester pooled, those are the distinct slots, and
@@ -167,15 +169,35 @@ class _Table:
     """
 
     __slots__ = ("unique", "part", "inverses", "pad", "pooled", "timed", "bag_rows", "bag_counts", "bags",
-                 "grad_slots", "grad_ids", "grad_offsets", "grad_rows", "grad_scale")
+                 "grad_slots", "grad_ids", "grad_offsets", "grad_rows", "grad_scale", "hot", "hot_positions")
 
     def __init__(self) -> None:
         self.unique = self.part = None
+        # Replicated hot rows: which of ``unique`` are hot (bool), and their positions in the table's hot set.
+        self.hot = self.hot_positions = None
         self.inverses: List[torch.Tensor] = []
         self.pad: Optional[int] = None
         self.pooled = self.timed = False
         self.bag_rows = self.bag_counts = self.bags = None
         self.grad_slots = self.grad_ids = self.grad_offsets = self.grad_rows = self.grad_scale = None
+
+
+class _Awaiting:
+    """Counts a round in its set's ``_awaiting`` from its forward until its backward starts or its graph is freed."""
+
+    __slots__ = ("table_set", "open")
+
+    def __init__(self, table_set: "TableSet") -> None:
+        self.table_set, self.open = table_set, True
+        table_set._awaiting += 1
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.table_set._awaiting -= 1
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class _Round(torch.autograd.Function):
@@ -186,6 +208,7 @@ class _Round(torch.autograd.Function):
         start = time.perf_counter()
         rows, routes, tables = table_set._pull(state)
         ctx.table_set, ctx.routes, ctx.tables = table_set, routes, tables
+        ctx.awaiting = _Awaiting(table_set) if state.get("grad") else None
         ctx.pull_seconds = time.perf_counter() - start
         ctx.set_materialize_grads(False)
         return tuple(rows)
@@ -193,6 +216,8 @@ class _Round(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         start = time.perf_counter()
+        if ctx.awaiting is not None:
+            ctx.awaiting.close()
         out = ctx.table_set._push(ctx.routes, ctx.tables, grads)
         ctx.table_set._record(ctx.tables, ctx.pull_seconds + time.perf_counter() - start)
         return (None, None, *out)
@@ -236,6 +261,11 @@ class TableSet:
         self._prefetched: Optional[Dict[str, Any]] = None
         # Per table ("auto"): this rank's rounds and measured round time (microseconds, averaged), rows and pooled.
         self._timing: Dict[int, List[float]] = {}
+        # Per table with hot rows: the window (round number // window) in which it last chose its hot set.
+        self._hot_epoch: Dict[int, int] = {}
+        # Rounds whose backward may still run (gradient enabled, graph alive): while any is, hot sets stay
+        # as they are, since those rounds' gradients are addressed to positions in them.
+        self._awaiting = 0
 
     def prefetch(self, lookups: Sequence[Lookup]) -> None:
         """Start the id exchange of a round now, in the background (collective: every rank prefetches alike).
@@ -277,10 +307,17 @@ class TableSet:
         if state is not None and [id(x) for x in state["lookups"]] != [id(x) for x in lookups]:
             self._finish(state)  # prefetched, then not used as prefetched: end it, unused
             state = None
+        if state is not None and self._hot_due():
+            # Prefetched while an earlier round awaited its backward (no hot set could change then): choose now,
+            # and if a set changed, end the prefetched request (it split the ids by the old set) and ask again.
+            if self._choose_hot_rows():
+                self._finish(state)
+                state = None
         if state is None:
             bad = next((lk.status for lk in lookups if lk.status[0] != STATUS_OK), None)
             state = {"lookups": lookups, "status": bad or (STATUS_OK, 0, "")}
         grad = any(lk.grad_enabled for lk in lookups)
+        state["grad"] = grad
         with torch.set_grad_enabled(grad):
             rows = _Round.apply(self, state, *[t.local_weight for t in self.tables])
         tables: List[_Table] = state["tables"]
@@ -297,7 +334,7 @@ class TableSet:
 
     def _pooling(self, t: Any, ids: List[Lookup], ok: bool) -> Optional[Lookup]:
         """The lookup to pool at its owners this round, or None (rows path)."""
-        if not ok or len(ids) != 1 or ids[0].bags is None:
+        if not ok or len(ids) != 1 or ids[0].bags is None or getattr(t, "hot", None) is not None:
             return None
         choice = getattr(t, "owner_pooling", "never")
         if choice == "always" or (choice in ("auto", "bytes") and self._pool_next.get(id(t), False)):
@@ -335,6 +372,7 @@ class TableSet:
         tables = [_Table() for _ in self.tables]
         requests = []
         me, n = world(self.group)
+        self._choose_hot_rows()
         for t, info, lks in zip(self.tables, tables, of_table):
             device = t.local_weight.device
             pooled = self._pooling(t, lks, ok)
@@ -348,12 +386,20 @@ class TableSet:
             info.inverses = list(torch.split(inverse, [x.numel() for x in ids])) if ids and ok else \
                 [inverse] * len(ids)
             info.pad = t._padding_position(info.unique)
-            info.part = t.layout.partition(info.unique)
+            cold = info.unique
+            hot = getattr(t, "hot", None)
+            if hot is not None and ok:
+                hot.count(info.unique, torch.bincount(inverse, minlength=info.unique.numel()))
+                split = hot.split(info.unique)
+                if split is not None:  # hot rows come from the replica; only the cold ones travel
+                    info.hot, info.hot_positions = split
+                    cold = info.unique[~info.hot]
+            info.part = t.layout.partition(cold)
             t.stats.rows_in += int(flat.numel())
             t.stats.row_lookups += len(lks)
             estimates = (0, 0)
             choice = getattr(t, "owner_pooling", "never")
-            if ok and len(lks) == 1 and lks[0].bags is not None:
+            if ok and len(lks) == 1 and lks[0].bags is not None and hot is None:
                 if choice == "bytes":
                     estimates = _estimates(t, info, inverse, lks[0].bags, me)
                 elif choice == "auto":
@@ -365,6 +411,27 @@ class TableSet:
         state["pending"] = start_request(requests, status=status[0], detail=status[1], message=status[2],
                                          round=self.rounds, group=self.group, stats=self.stats,
                                          capacity=self.capacity, async_op=async_op)
+
+    def _hot_due(self) -> List[Any]:
+        """Tables with hot rows whose window ended since their last choice, when no round awaits its backward."""
+        if self._awaiting:
+            return []
+        return [t for t in self.tables if getattr(t, "hot", None) is not None
+                and self.rounds // t.hot.config.window > self._hot_epoch.get(id(t), 0)]
+
+    def _choose_hot_rows(self) -> bool:
+        """Each table whose window ended chooses its next hot set (collective, all ranks alike); whether any changed.
+
+        Every rank holds the same round count and the same rounds awaiting
+        backward (ranks run the same code), so every rank makes the same calls.
+        """
+        changed = False
+        for t in self._hot_due():
+            self._hot_epoch[id(t)] = self.rounds // t.hot.config.window
+            version = t.hot.version
+            t.hot.choose(t, self.group)
+            changed = changed or t.hot.version != version
+        return changed
 
     def _finish(self, state: Dict[str, Any]) -> Routes:
         """Wait for a started round's id exchange and check it; the round counts once it passed."""
@@ -386,8 +453,7 @@ class TableSet:
                   for i, (t, info, requested, parts) in enumerate(zip(self.tables, tables, routes.requested,
                                                                       routes.pooled))]
         got = pull_rows(served, routes, self.group, self.stats)
-        rows = [g if info.pooled else torch.empty_like(g).index_copy_(0, info.part.perm, g)
-                for g, info in zip(got, tables)]
+        rows = [g if info.pooled else _unique_rows(t, g, info) for t, g, info in zip(self.tables, got, tables)]
         return rows, routes, tables
 
     def _pooled_request(self, t: Any, info: _Table, lk: Lookup, me: int, n: int) -> TableRequest:
@@ -484,16 +550,28 @@ class TableSet:
         send = [s if p else [0] * n for s, p in zip(routes.rows_send, pushing)]
         recv = [r if p else [0] * n for r, p in zip(routes.rows_recv, pushing)]
         rows = []
+        hot_entries, hot_tables = [], []
         for t, info, g, p, count in zip(self.tables, tables, grads, pushing, send):
             if not p:
                 rows.append(t.local_weight.new_empty(0, t.embedding_dim))
                 continue
             if g is None:  # looked up, but its result got no gradient this time
-                g = t.local_weight.new_zeros(sum(count), t.embedding_dim)
+                size = sum(count) if info.pooled or info.unique is None else info.unique.numel()
+                g = t.local_weight.new_zeros(size, t.embedding_dim)
+            hot = getattr(t, "hot", None)
+            if hot is not None and hot.size:  # every rank takes part in the hot rows' sum, looked up or not
+                hot_tables.append(t)
+                if info.hot is not None:
+                    hot_entries.append((hot, info.hot_positions, g[info.hot]))
+                    g = g[~info.hot]
+                else:
+                    hot_entries.append((hot, info.hot_positions if info.hot_positions is not None else
+                                        torch.empty(0, dtype=torch.int64, device=g.device), g[:0]))
             # Pooled: one gradient row per partial bag, already grouped by owner.
             rows.append(g.contiguous() if info.pooled else ops.gather_rows(g.contiguous(), info.part.perm))
         got = exchange_rows(rows, routes._replace(rows_send=send, rows_recv=recv, problem=None), self.group,
                             self.stats)
+        hot_sums = sync_hot_gradients(hot_entries, self.group, n, [t.grad_reduction == "mean" for t in hot_tables])
         out = []
         for t, info, g, p in zip(self.tables, tables, got, pushing):
             if not p:
@@ -504,7 +582,19 @@ class TableSet:
                 g = F.embedding_bag(info.grad_rows, g, info.grad_offsets, mode="sum",
                                     per_sample_weights=info.grad_scale)
             out.append(t._owner_gradient(info.grad_slots, info.grad_ids, g, coalesced=coalesced))
+        for t, (positions, rows) in zip(hot_tables, hot_sums):
+            t._hot_gradient(positions, rows)
         return out
+
+
+def _unique_rows(t: Any, cold: torch.Tensor, info: _Table) -> torch.Tensor:
+    """A rows-path table's unique rows: the cold ones pulled (in owner order), the hot ones from the replica."""
+    if info.hot is None:
+        return torch.empty_like(cold).index_copy_(0, info.part.perm, cold)
+    rows = cold.new_empty(info.unique.numel(), cold.shape[1])
+    rows.index_copy_(0, (~info.hot).nonzero().view(-1)[info.part.perm], cold)
+    rows.index_copy_(0, info.hot.nonzero().view(-1), t.hot.weight.index_select(0, info.hot_positions))
+    return rows
 
 
 def _group_by(index: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor]:

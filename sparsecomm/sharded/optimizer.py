@@ -147,6 +147,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
             slots, rows = ops.coalesce_rows(slots.contiguous(), rows.contiguous(), p.shape[0])
         self._update(group, p, state, slots, rows)
 
+    @torch.no_grad()
+    def apply_hot(self, table: _ShardedTable, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Update ``table``'s replicated hot rows at ``positions`` (distinct, sorted) with the gradient ``rows``
+        summed over ranks, then write them through to the owner's shard (``sparsecomm.sharded.hot``).
+
+        Every rank runs it with the same sum, so the replicas stay equal. It
+        uses the table's current step count: call it after the step's
+        increment (the cold rows' update, in backward or in :meth:`step`).
+        """
+        p = table.local_weight
+        if positions.numel() == 0:
+            return
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        state = self.state[p]
+        hot = table.hot
+        self._update(group, hot.weight, dict(hot.state, step=state["step"]), positions, rows)
+        hot.write_through(p, state, positions)
+
+    def _step_hot(self, p: torch.Tensor) -> None:
+        table = self._tables[id(p)]
+        if table.hot is not None:
+            pending = table.hot.gradient()
+            if pending is not None:
+                self.apply_hot(table, *pending)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the tables' gradients, including their hot rows' pending one."""
+        super().zero_grad(set_to_none=set_to_none)
+        for table in self._tables.values():
+            if table.hot is not None:
+                table.hot.clear_gradient()
+
     def tables(self) -> List[_ShardedTable]:
         """The sharded tables this optimizer updates, in param-group order."""
         return [self._tables[id(p)] for g in self.param_groups for p in g["params"]]
@@ -182,14 +214,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 # Every rank's table receives a (possibly empty) gradient in
                 # each backward, so the step count agrees across ranks.
                 state["step"] += 1
-                if grad._nnz() == 0:
-                    continue
-                if grad.is_coalesced():
-                    slots, values = grad._indices()[0], grad._values()
-                else:
-                    slots, values = ops.coalesce_rows(grad._indices()[0].contiguous(), grad._values().contiguous(),
-                                                      p.shape[0])
-                self._update(group, p, state, slots, values)
+                if grad._nnz():
+                    if grad.is_coalesced():
+                        slots, values = grad._indices()[0], grad._values()
+                    else:
+                        slots, values = ops.coalesce_rows(grad._indices()[0].contiguous(),
+                                                          grad._values().contiguous(), p.shape[0])
+                    self._update(group, p, state, slots, values)
+                self._step_hot(p)  # after the shard's rows: the hot rows write through into it
         return loss
 
     def state_dict(self) -> Dict[str, Any]:
@@ -224,6 +256,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{type(self).__name__}.load_state_dict: table {i} state {name!r} has "
                                      f"shape {None if t is None else tuple(t.shape)}, expected {tuple(want)}")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
+        for p in params:
+            _table_of(p)._drop_hot()  # the replica's optimizer rows are stale now
 
 
 class ShardedSGD(ShardedOptimizer):
