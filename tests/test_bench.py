@@ -215,13 +215,15 @@ def test_sharded_without_torchrec_lists_it_as_skipped_and_exits_0(tmp_path):
                   "--warmup", "2", "--iters", "2", "--timeout", "60", "--json", str(js)])
     assert out.returncode == 0, _fail(out)
     every = _rows(js)
-    assert [r["bag"] for r in every] == [1] * 4 + [4] * 4  # both bag sizes in one launch, torchrec skipped in each
-    rows = every[4:]
-    assert [r["method"] for r in rows] == ["sparsecomm_hash", "sparsecomm_range", "ddp_replicated", "torchrec"]
+    assert [r["bag"] for r in every] == [1] * 5 + [4] * 5  # both bag sizes in one launch, torchrec skipped in each
+    rows = every[5:]
+    assert [r["method"] for r in rows] == ["sparsecomm_hash", "sparsecomm_range", "sparsecomm_hot", "ddp_replicated",
+                                           "torchrec"]
     assert "TorchRec is not installed" in rows[-1]["skipped"] and "#wrong" not in rows[-1]
     assert all(r["#wrong"] == 0 and r["step_ms"] > 0 for r in every if "skipped" not in r), every
-    assert rows[0]["vs_best_peer"] > 0 and rows[2]["vs_best_peer"] == ""  # a peer has no speed-up vs itself
-    assert "torchrec skipped" in out.stderr and "timing 3 methods" in out.stderr
+    assert rows[0]["vs_best_peer"] > 0 and rows[3]["vs_best_peer"] == ""  # a peer has no speed-up vs itself
+    assert rows[2]["hot"] > 0 and rows[0]["hot"] == ""  # the replica served some rows of the hot method only
+    assert "torchrec skipped" in out.stderr and "timing 4 methods" in out.stderr
     assert "TorchRec is not installed" in out.stdout  # in the table, not only in a log line
 
 
@@ -256,9 +258,10 @@ def test_skipped_rows_do_not_count_as_wrong():
 
     a = Namespace(rows=100, dim=4, batch=8, pooling=2, alpha=1.1, skipped={"torchrec": sharded.TORCHREC_MISSING})
     ref = Namespace(rows0=list(range(30)))
-    per_rank = {"sparsecomm_hash": dict(time=0.002, wrong=0, error=None, memory=1000, rows=50, wire=10.0, pooled=0.5),
+    per_rank = {"sparsecomm_hash": dict(time=0.002, wrong=0, error=None, memory=1000, rows=50, wire=10.0, pooled=0.5,
+                                        hot=None),
                 "ddp_replicated": dict(time=0.004, wrong=0, error=None, memory=2000, rows=100, wire=None,
-                                       pooled=None)}
+                                       pooled=None, hot=None)}
     rows = sharded._rows(a, 2, list(per_rank), [per_rank, per_rank], ref)
     assert [r.cols["method"] for r in rows] == ["sparsecomm_hash", "ddp_replicated", "torchrec"]
     assert rows[0].cols["vs_best_peer"] == pytest.approx(2.0) and rows[0].cols["vs_torchrec"] == ""

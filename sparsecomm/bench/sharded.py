@@ -12,6 +12,8 @@ machine noise hits all alike:
                     in backward, as TorchRec's fused optimizer); ``--prefetch 1`` sends each
                     step's ids during the previous step (``table.prefetch``)
   sparsecomm_range  the same with ``scheme="range"`` (contiguous blocks, like TorchRec's row-wise)
+  sparsecomm_hot    ``sparsecomm_range`` with hot-row replication: ``HotRowConfig(budget_bytes=--hot-mb MB,
+                    window=--hot-window)`` (the most looked-up rows on every rank, the rest sharded)
   torchrec          TorchRec ``EmbeddingBagCollection`` sharded row-wise by
                     ``DistributedModelParallel`` with fbgemm's fused CPU kernel and fused
                     ``EXACT_ROWWISE_ADAGRAD`` (update inside backward). Needs
@@ -76,16 +78,16 @@ import torch.nn.functional as F
 
 from sparsecomm.bench.harness import Row, Stopwatch, progress
 from sparsecomm.bench.launch import add_launch_args, run_distributed
-from sparsecomm.sharded import ShardedAdagrad, ShardedEmbeddingBag
+from sparsecomm.sharded import HotRowConfig, ShardedAdagrad, ShardedEmbeddingBag
 from sparsecomm.synthetic import zipf_ids
 
-METHODS = ("sparsecomm_hash", "sparsecomm_range", "torchrec", "ddp_replicated")
+METHODS = ("sparsecomm_hash", "sparsecomm_range", "sparsecomm_hot", "torchrec", "ddp_replicated")
 PEERS = ("torchrec", "ddp_replicated")
 TOL = 1e-4
 TORCHREC_MISSING = ("TorchRec is not installed (pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0, "
                     "see benchmarks/RESULTS.md)")
 COMPACT_COLS = ("world", "alpha", "bag", "method", "step_ms", "vs_torchrec", "MB_per_rank", "wire_MB", "torchrec_MB",
-                "pooled", "#wrong")
+                "pooled", "hot", "#wrong")
 LEGEND = {
     "step_ms": "median ms per training step (lookup + backward + update), median over ranks",
     "vs_best_peer": "step time of the fastest of torchrec / ddp_replicated over this method's (> 1: faster)",
@@ -95,6 +97,7 @@ LEGEND = {
     "wire_MB": "bytes sparsecomm's all-to-alls moved per step and rank (sent + received)",
     "torchrec_MB": "what TorchRec's row-wise design moves per step and rank (from its messages; not counted by it)",
     "pooled": "share of sparsecomm's lookups pooled at the owners (the rest sent unique rows)",
+    "hot": "share of sparsecomm_hot's looked-up unique rows read from the replica (the rest went to their owners)",
     "#wrong": "elements off a float64 simulation of the training (0: correct; a non-zero count exits 3)",
     "skipped": "a peer left out, and why (not counted as wrong: the exit status stays 0)",
 }
@@ -184,14 +187,18 @@ class Method:
     def pooled_share(self) -> Optional[float]:
         return None
 
+    def hot_share(self) -> Optional[float]:
+        return None
+
     def local_rows(self) -> int:
         raise NotImplementedError
 
 
 class Sparsecomm(Method):
-    def __init__(self, a, table, ids, w, scheme: str) -> None:
+    def __init__(self, a, table, ids, w, scheme: str, hot: bool = False) -> None:
+        config = HotRowConfig(budget_bytes=int(a.hot_mb * 2**20), window=a.hot_window) if hot else None
         self.emb = ShardedEmbeddingBag(a.rows, a.dim, mode="sum", scheme=scheme, grad_reduction="sum",
-                                       owner_pooling=a.owner_pooling, _weight=table, seed=0)
+                                       owner_pooling=a.owner_pooling, _weight=table, seed=0, hot_rows=config)
         self.opt = ShardedAdagrad(self.emb, lr=a.lr, eps=a.eps, rowwise=True, fused=bool(a.fused))
         self.ids, self.w = ids, w
         self.steps = 0
@@ -220,6 +227,10 @@ class Sparsecomm(Method):
     def pooled_share(self) -> Optional[float]:
         s = self.emb.stats
         return s.pooled_lookups / max(1, s.pooled_lookups + s.row_lookups)
+
+    def hot_share(self) -> Optional[float]:
+        hot = self.emb.hot
+        return None if hot is None else hot.hits / max(1, hot.hits + hot.misses)
 
     def local_rows(self) -> int:
         return self.emb.layout.num_local
@@ -311,6 +322,8 @@ def make_method(name: str, a, table, ids, w) -> Method:
         return Sparsecomm(a, table, ids, w, "hash")
     if name == "sparsecomm_range":
         return Sparsecomm(a, table, ids, w, "range")
+    if name == "sparsecomm_hot":
+        return Sparsecomm(a, table, ids, w, "range", hot=True)
     if name == "torchrec":
         return TorchRec(a, table, ids, w)
     if name == "ddp_replicated":
@@ -406,7 +419,8 @@ def _body_one(a: argparse.Namespace) -> List[Row]:
         mine[name] = dict(time=statistics.median(times[name]) if times.get(name) else None,
                           wrong=r.get("wrong"), error=r.get("error"), memory=r.get("memory"), rows=r.get("rows"),
                           wire=m.wire_bytes() if m is not None else None,
-                          pooled=m.pooled_share() if m is not None else None)
+                          pooled=m.pooled_share() if m is not None else None,
+                          hot=m.hot_share() if m is not None else None)
     everyone: List[Any] = [None] * n
     dist.all_gather_object(everyone, mine)
     if me == 0:
@@ -447,6 +461,7 @@ def _rows(a, n: int, names: Sequence[str], everyone: Sequence[Dict[str, Any]], r
                     wire_MB=statistics.mean(p["wire"] for p in per) / 1e6 if per[0]["wire"] is not None else "",
                     torchrec_MB=torchrec_bytes(a, n) / 1e6 if name == "torchrec" else "",
                     pooled=statistics.mean(p["pooled"] for p in per) if per[0]["pooled"] is not None else "",
+                    hot=statistics.mean(p["hot"] for p in per) if per[0]["hot"] is not None else "",
                     **{"#wrong": int(sum(p["wrong"] for p in per))})
         out.append(Row(cols))
     for name, why in getattr(a, "skipped", {}).items():
@@ -472,6 +487,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                         "they travel during backward and the update; default 0")
     p.add_argument("--fused", type=int, choices=(0, 1), default=1,
                    help="1 (default): sparsecomm's optimizer updates in backward, like TorchRec's; 0: in step()")
+    p.add_argument("--hot-mb", type=float, default=16.0,
+                   help="sparsecomm_hot's replica budget per rank, MB (rows + optimizer state; default 16)")
+    p.add_argument("--hot-window", type=int, default=2,
+                   help="sparsecomm_hot's rounds between hot-set choices (default 2: the set forms in warm-up)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
     p.add_argument("--eps", type=float, default=1e-8, help="row-wise Adagrad eps (default 1e-8)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)} (default: all; "

@@ -56,6 +56,7 @@ import torch
 from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import all_gather_objects, allgather_table_rows
 from sparsecomm.collectives.sparse import sparse_allreduce_coalesced
+from sparsecomm.types import SparseSyncStats
 
 __all__ = ["HotRowConfig", "HotRows", "sync_hot_gradients"]
 
@@ -99,6 +100,8 @@ class HotRows:
         version: bumped whenever the set changes or is emptied; it joins the
             table's lookup fingerprint, so ranks holding different sets raise.
         choices: hot-set choices made (including ones that kept the set).
+        hits, misses: this rank's looked-up unique rows read from the
+            replica, and sent to their owners, summed over rounds.
     """
 
     def __init__(self, config: HotRowConfig, dim: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -109,6 +112,7 @@ class HotRows:
         self.owned_slots = torch.empty(0, dtype=torch.int64, device=device)
         self.version = 0
         self.choices = 0
+        self.hits = self.misses = 0
         self._seen: List[Tuple[torch.Tensor, torch.Tensor]] = []   # (ids, counts) per round of the window
         self._grad: List[Tuple[torch.Tensor, torch.Tensor]] = []   # reduced (positions, rows) until zero_grad
 
@@ -135,10 +139,14 @@ class HotRows:
         in :attr:`ids`; None when nothing is hot."""
         k = self.size
         if k == 0 or unique.numel() == 0:
+            self.misses += unique.numel()
             return None
         pos = torch.searchsorted(self.ids, unique).clamp_(max=k - 1)
         hot = self.ids[pos] == unique
-        if not bool(hot.any()):
+        hits = int(hot.sum())
+        self.hits += hits
+        self.misses += unique.numel() - hits
+        if not hits:
             return None
         return hot, pos[hot]
 
@@ -315,7 +323,8 @@ def _agreement_problem(everyone: List[Dict[str, Any]], num_rows: int) -> Optiona
 
 
 def sync_hot_gradients(entries: Sequence[Tuple[HotRows, torch.Tensor, torch.Tensor]], group, world_size: int,
-                       average: Sequence[bool]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+                       average: Sequence[bool], stats: Sequence[SparseSyncStats]
+                       ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """Sum every rank's hot-row gradients, all tables in one call; ``(positions, rows)`` per table, coalesced.
 
     Args:
@@ -323,6 +332,7 @@ def sync_hot_gradients(entries: Sequence[Tuple[HotRows, torch.Tensor, torch.Tens
             (distinct positions; may be empty). The same tables on every rank.
         group: the tables' group (None: one rank).
         average: per table, divide by ``world_size`` (``grad_reduction="mean"``).
+        stats: per table, the counters its bytes are added to (the table's ``stats``).
     """
     if not entries:
         return []
@@ -331,7 +341,12 @@ def sync_hot_gradients(entries: Sequence[Tuple[HotRows, torch.Tensor, torch.Tens
     if group is None:
         summed = [t.coalesce() for t in tensors]
     else:
-        summed = sparse_allreduce_coalesced(tensors, group, "sum", method="allgather", nonfinite="propagate")
+        mine = [SparseSyncStats() for _ in tensors]
+        summed = sparse_allreduce_coalesced(tensors, group, "sum", method="allgather", nonfinite="propagate",
+                                            stats=mine)
+        for total, s in zip(stats, mine):
+            total.bytes_sent += s.bytes_sent
+            total.bytes_recv += s.bytes_recv
     out = []
     for s, avg in zip(summed, average):
         rows = s._values()

@@ -571,7 +571,8 @@ class TableSet:
             rows.append(g.contiguous() if info.pooled else ops.gather_rows(g.contiguous(), info.part.perm))
         got = exchange_rows(rows, routes._replace(rows_send=send, rows_recv=recv, problem=None), self.group,
                             self.stats)
-        hot_sums = sync_hot_gradients(hot_entries, self.group, n, [t.grad_reduction == "mean" for t in hot_tables])
+        hot_sums = sync_hot_gradients(hot_entries, self.group, n, [t.grad_reduction == "mean" for t in hot_tables],
+                                      [t.stats for t in hot_tables])
         out = []
         for t, info, g, p in zip(self.tables, tables, got, pushing):
             if not p:
