@@ -7,6 +7,7 @@
 // threads keep going.
 #include <pybind11/pybind11.h>
 
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -182,6 +183,56 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("weight"), py::arg("acc"), py::arg("num_rows"), py::arg("value_code"), py::arg("d"),
         py::arg("slots"), py::arg("k"), py::arg("grad"), py::arg("lr"), py::arg("eps"), py::arg("threads"));
+
+  py::class_<PooledLists>(m, "PooledLists")
+      .def_property_readonly("num_unique", [](const PooledLists& p) { return static_cast<int64_t>(p.unique.size()); })
+      .def_property_readonly("num_bags", [](const PooledLists& p) { return static_cast<int64_t>(p.bag_rows.size()); })
+      .def("write",
+           [](const PooledLists& p, uintptr_t unique, uintptr_t bag_rows, uintptr_t lengths) {
+             // Copies the lists into tensors sized from num_unique / num_bags; 0 skips one.
+             if (unique && !p.unique.empty())
+               std::memcpy(ptr(unique), p.unique.data(), p.unique.size() * sizeof(int64_t));
+             if (bag_rows && !p.bag_rows.empty())
+               std::memcpy(ptr(bag_rows), p.bag_rows.data(), p.bag_rows.size() * sizeof(int64_t));
+             if (lengths && !p.lengths.empty())
+               std::memcpy(ptr(lengths), p.lengths.data(), p.lengths.size() * sizeof(int32_t));
+           },
+           py::arg("unique"), py::arg("bag_rows"), py::arg("lengths"));
+
+  m.def("group_by",
+        [](uintptr_t index, int64_t n, int64_t size, uintptr_t order, uintptr_t offsets, int threads) {
+          py::gil_scoped_release release;
+          group_by(ptr<const int64_t>(index), n, size, ptr<int64_t>(order), ptr<int64_t>(offsets), threads);
+        },
+        py::arg("index"), py::arg("n"), py::arg("size"), py::arg("order"), py::arg("offsets"), py::arg("threads"),
+        "Stable counting sort of int64 positions by index in [0, size): order (n) and group starts (size).");
+
+  m.def("unique_inverse",
+        [](uintptr_t ids, int64_t n, int64_t num_rows, uintptr_t inverse, int threads) {
+          auto lists = std::make_unique<PooledLists>();
+          py::gil_scoped_release release;
+          unique_inverse(ptr<const int64_t>(ids), n, num_rows, lists->unique, ptr<int64_t>(inverse), threads);
+          return lists;
+        },
+        py::arg("ids"), py::arg("n"), py::arg("num_rows"), py::arg("inverse"), py::arg("threads"),
+        "Distinct int64 ids ascending (kept in the returned lists' unique) and each id's index among them.");
+
+  m.def("pooled_request",
+        [](uintptr_t ids, uintptr_t bag_of, int64_t n, int64_t num_rows, int64_t num_bags, int scheme,
+           int64_t num_owners, int64_t range_size, int64_t stride, uintptr_t unique_counts, uintptr_t order,
+           uintptr_t occ_counts, uintptr_t positions, uintptr_t bag_counts, int threads) {
+          const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
+          auto lists = std::make_unique<PooledLists>();
+          py::gil_scoped_release release;
+          pooled_request(ptr<const int64_t>(ids), ptr<const int64_t>(bag_of), n, num_rows, num_bags, map,
+                         ptr<int64_t>(unique_counts), ptr<int64_t>(order), ptr<int64_t>(occ_counts),
+                         ptr<int32_t>(positions), ptr<int64_t>(bag_counts), *lists, threads);
+          return lists;
+        },
+        py::arg("ids"), py::arg("bag_of"), py::arg("n"), py::arg("num_rows"), py::arg("num_bags"), py::arg("scheme"),
+        py::arg("num_owners"), py::arg("range_size"), py::arg("stride"), py::arg("unique_counts"), py::arg("order"),
+        py::arg("occ_counts"), py::arg("positions"), py::arg("bag_counts"), py::arg("threads"),
+        "Owner pooling's request: fixed-size outputs written, the distinct ids and partial bags returned.");
 
   m.def("openmp_enabled", [] {
 #ifdef _OPENMP

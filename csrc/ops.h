@@ -103,4 +103,30 @@ void scatter_add_rows(void* table, int64_t num_rows, ValueType vt, int64_t d, co
 void rowwise_adagrad(void* weight, void* acc, int64_t num_rows, ValueType vt, int64_t d, const int64_t* slots,
                      int64_t k, const void* grad, double lr, double eps, int threads);
 
+// ---- owner pooling's index kernels (pooled.cpp); ids int64, checked before any write ----
+
+// Stable counting sort of positions by index (in [0, size)): order (n) = argsort(index, stable=True),
+// offsets (size) = where each group starts (cumsum(bincount) - bincount).
+void group_by(const int64_t* index, int64_t n, int64_t size, int64_t* order, int64_t* offsets, int threads);
+
+// torch.unique(ids, sorted=True, return_inverse=True): the distinct ids ascending, and each id's index among
+// them (inverse, n). num_rows < 0: no upper bound.
+void unique_inverse(const int64_t* ids, int64_t n, int64_t num_rows, std::vector<int64_t>& unique,
+                    int64_t* inverse, int threads);
+
+// The data-sized outputs of pooled_request.
+struct PooledLists {
+  std::vector<int64_t> unique;    // per owner its distinct ids ascending, owners in order
+  std::vector<int64_t> bag_rows;  // the bag of each partial bag, grouped by owner
+  std::vector<int32_t> lengths;   // occurrences per partial bag
+};
+
+// The requester side of owner pooling. Occurrences sorted stably by owner (order, occ_counts: partition_rows'
+// perm and counts); per owner its distinct ids (out.unique, unique_counts) and each occurrence's index among
+// them (positions, in `order` order); the runs of one bag inside an owner's occurrences (out.bag_rows,
+// out.lengths, bag_counts per owner). bag_of must be non-decreasing in [0, num_bags) (num_bags < 0: no bound).
+void pooled_request(const int64_t* ids, const int64_t* bag_of, int64_t n, int64_t num_rows, int64_t num_bags,
+                    const OwnerMap& map, int64_t* unique_counts, int64_t* order, int64_t* occ_counts,
+                    int32_t* positions, int64_t* bag_counts, PooledLists& out, int threads);
+
 }  // namespace sparsecomm

@@ -37,6 +37,10 @@ __all__ = [
     "pack_rows",
     "coalesce_segments",
     "rowwise_adagrad_",
+    "PooledPlan",
+    "group_by",
+    "unique_inverse",
+    "pooled_request",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -383,6 +387,135 @@ def rowwise_adagrad_(weight: torch.Tensor, acc: torch.Tensor, slots: torch.Tenso
     if slots.device.type == "cuda" and slots.numel() > 1 and not bool((slots[1:] > slots[:-1]).all()):
         raise ValueError("slots must be strictly increasing (coalesced)")
     _run("rowwise_adagrad_", weight, acc, slots, grad, float(lr), float(eps))
+
+
+# ------------------------------------------- owner pooling's index kernels
+
+
+class PooledPlan(NamedTuple):
+    """The requester side of owner pooling (:func:`pooled_request`): what each owner is sent.
+
+    Attributes:
+        unique: int64, per owner its distinct ids ascending, owners concatenated in rank order.
+        unique_counts: ``(num_owners,)`` int64, distinct ids per owner.
+        order: ``(n,)`` int64, the occurrences grouped by owner, input order inside an owner
+            (``partition_rows(ids, ...).perm``).
+        occ_counts: ``(num_owners,)`` int64, occurrences per owner.
+        positions: ``(n,)`` int32, in ``order`` order: each occurrence's index among its owner's distinct ids.
+        bag_rows: int64, the bag of each partial bag (a run of one bag inside an owner's occurrences), grouped
+            by owner.
+        lengths: int32, occurrences per partial bag.
+        bag_counts: ``(num_owners,)`` int64, partial bags per owner.
+    """
+
+    unique: torch.Tensor
+    unique_counts: torch.Tensor
+    order: torch.Tensor
+    occ_counts: torch.Tensor
+    positions: torch.Tensor
+    bag_rows: torch.Tensor
+    lengths: torch.Tensor
+    bag_counts: torch.Tensor
+
+
+def _check_int64_ids(ids, name: str) -> None:
+    _check_ids(ids, name)
+    if ids.dtype != torch.int64:
+        raise TypeError(f"{name} must be int64, got {ids.dtype}")
+
+
+def _check_size(value, name: str) -> int:
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v
+
+
+def group_by(index: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Positions grouped by ``index`` (a stable counting sort), and where each of ``size`` groups starts.
+
+    Exactly ``order = torch.argsort(index, stable=True)`` and ``offsets = cumsum(count) - count`` with
+    ``count = torch.bincount(index, minlength=size)``. With them,
+    ``F.embedding_bag(src[order], rows, offsets, mode="sum")`` sums per group, in input order, the rows
+    ``src`` points at.
+
+    Args:
+        index: ``(n,)`` int64 group of each position, in ``[0, size)``.
+        size: the number of groups.
+
+    Returns:
+        ``(order, offsets)``: ``(n,)`` and ``(size,)`` int64.
+
+    Raises:
+        TypeError, ValueError: bad types or shapes, or an index outside ``[0, size)`` (named).
+    """
+    _check_int64_ids(index, "index")
+    return _run("group_by", index, _check_size(size, "size"))
+
+
+def unique_inverse(ids: torch.Tensor, num_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(ids, sorted=True, return_inverse=True)``, in one pass or two over the ids.
+
+    CPU: the distinct ids are marked in a bitmap over ``[min, max]`` when it holds at most 4 words per id
+    (any few thousand ids over 1M rows), else found by a radix sort; the same result either way.
+
+    Args:
+        ids: ``(n,)`` int64 ids in ``[0, num_rows)``.
+        num_rows: their bound (None: only non-negative).
+
+    Returns:
+        ``(unique, inverse)``: the distinct ids ascending (int64) and each id's index among them
+        (``(n,)`` int64).
+
+    Raises:
+        TypeError, ValueError: bad types or shapes, or an id out of range (named).
+    """
+    _check_int64_ids(ids, "ids")
+    return _run("unique_inverse", ids, _check_num_rows(num_rows))
+
+
+def pooled_request(ids: torch.Tensor, bag_of: torch.Tensor, num_owners: int, scheme: str = "hash",
+                   num_rows: Optional[int] = None, range_size: Optional[int] = None, *,
+                   num_bags: Optional[int] = None, stride: int = 1) -> PooledPlan:
+    """The requester side of owner pooling, in one kernel call: what each owner gets for a bag lookup.
+
+    Owners are those of :func:`partition_rows` (same ``num_owners``, ``scheme``, ``num_rows``,
+    ``range_size``, ``stride``). Exactly what these torch ops give (``n = num_owners``)::
+
+        occ = partition_rows(ids, None, n, scheme, num_rows, range_size=range_size, stride=stride)
+        order, occ_counts = occ.perm, occ.counts
+        # per owner segment of occ.ids: u, pos = torch.unique(seg, sorted=True, return_inverse=True)
+        unique = cat(u), unique_counts = [len(u)], positions = cat(pos).int()
+        owner_occ = repeat_interleave(arange(n), occ_counts)
+        keys, lengths = unique_consecutive(owner_occ * nb + bag_of[order], return_counts=True)
+        bag_rows, bag_counts, lengths = keys % nb, bincount(keys // nb, minlength=n), lengths.int()
+
+    Args:
+        ids: ``(n,)`` int64 ids in ``[0, num_rows)``.
+        bag_of: ``(n,)`` int64, the bag of each id: non-decreasing, in ``[0, num_bags)`` (bags may be empty).
+        num_owners, scheme, num_rows, range_size, stride: the owner map of :func:`partition_rows`.
+        num_bags: bound on ``bag_of`` (None: only non-negative).
+
+    Returns:
+        A :class:`PooledPlan`.
+
+    Raises:
+        TypeError, ValueError: bad types, shapes or owner map; an id or bag out of range, or ``bag_of``
+            decreasing (named; nothing is written).
+    """
+    _check_int64_ids(ids, "ids")
+    _check_int64_ids(bag_of, "bag_of")
+    if bag_of.shape[0] != ids.shape[0]:
+        raise ValueError(f"bag_of has {bag_of.shape[0]} entries but ids has {ids.shape[0]}")
+    if bag_of.device != ids.device:
+        raise ValueError(f"bag_of is on {bag_of.device} but ids is on {ids.device}")
+    bound = _check_num_rows(num_rows)
+    bags = -1 if num_bags is None else _check_size(num_bags, "num_bags")
+    scheme_code, range_size = _owner_map(num_owners, scheme, num_rows, range_size, stride)
+    return PooledPlan(*_run("pooled_request", ids, bag_of, bound, num_owners, scheme_code, range_size, stride, bags))
 
 
 # ------------------------------------------------------ wire buffers (fused)
