@@ -382,7 +382,7 @@ class TableSet:
                 continue
             ids = [lk.ids for lk in lks]
             flat = torch.cat(ids) if ids and ok else torch.empty(0, dtype=torch.int64, device=device)
-            info.unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+            info.unique, inverse = ops.unique_inverse(flat, t.num_embeddings)
             info.inverses = list(torch.split(inverse, [x.numel() for x in ids])) if ids and ok else \
                 [inverse] * len(ids)
             info.pad = t._padding_position(info.unique)
@@ -404,6 +404,13 @@ class TableSet:
                     estimates = _estimates(t, info, inverse, lks[0].bags, me)
                 elif choice == "auto":
                     estimates, info.timed = self._measured(t), True
+            if info.hot is None and info.unique.numel():
+                # The rows arrive in owner order: point the lookups there instead of sorting the rows back
+                # (and backward's gradient rows are then in the order they travel).
+                where = torch.empty_like(info.part.perm)
+                where[info.part.perm] = torch.arange(where.numel(), device=where.device)
+                info.inverses = [where[x] for x in info.inverses]
+                info.pad = int(where[info.pad]) if info.pad is not None else None
             requests.append(TableRequest(info.part.ids, info.part.counts, t.fingerprint(), t.num_embeddings,
                                          t.layout.num_local, bool(lks), t.layout.owns,
                                          weight_dtype=t.local_weight.dtype, estimates=estimates))
@@ -470,33 +477,26 @@ class TableSet:
         info.pooled, info.bags = True, bags
         info.bag_counts = bags.counts(bag_of) if bags.mode == "mean" \
             else None
-        # Occurrences grouped by owner, bag order kept inside an owner (the partition is stable); per owner,
-        # its distinct ids (sorted) and each occurrence's position among them.
-        occ = t.layout.partition(flat)
-        order, occ_counts = occ.perm, occ.counts.tolist()
-        uniques, positions = [], []
-        for ids in torch.split(occ.ids, occ_counts):
-            u, pos = torch.unique(ids, sorted=True, return_inverse=True)
-            uniques.append(u)
-            positions.append(pos.to(torch.int32))
-        counts = torch.tensor([u.numel() for u in uniques], dtype=torch.int64)
-        info.unique = torch.cat(uniques)
-        bag_occ = bag_of[order]
-        owner_occ = torch.repeat_interleave(torch.arange(n, device=flat.device), occ.counts)
-        nb = max(bags.num_bags, 1)
-        keys, lengths = torch.unique_consecutive(owner_occ * nb + bag_occ, return_counts=True)
-        info.bag_rows = keys % nb
-        bag_counts = torch.bincount(keys // nb, minlength=n)
-        w = weights[order] if weights is not None else None
-        len_split = torch.split(lengths.to(torch.int32), bag_counts.tolist())
+        # One pass (ops.pooled_request): occurrences grouped by owner, bag order kept inside an owner; per
+        # owner its distinct ids (sorted), each occurrence's position among them, and its partial bags' lengths.
+        layout = t.layout
+        plan = ops.pooled_request(flat, bag_of, n, layout.scheme, t.num_embeddings, layout.range_size,
+                                  num_bags=bags.num_bags)
+        occ_counts = plan.occ_counts.tolist()
+        counts = plan.unique_counts.cpu()
+        info.unique = plan.unique
+        info.bag_rows = plan.bag_rows
+        w = weights[plan.order] if weights is not None else None
+        positions = torch.split(plan.positions, occ_counts)
+        len_split = torch.split(plan.lengths, plan.bag_counts.tolist())
         w_split = torch.split(w, occ_counts) if w is not None else [None] * n
         words = [pack_words(p, ln, *([x] if x is not None else [])) for p, ln, x in zip(positions, len_split, w_split)]
         weight_bytes = t.local_weight.element_size() if w is not None else 0
         info.timed = t.owner_pooling == "auto"
-        estimates = _pooled_estimates(t, counts, occ.counts, bag_counts, weight_bytes, me) \
+        estimates = _pooled_estimates(t, counts, plan.occ_counts, plan.bag_counts, weight_bytes, me) \
             if t.owner_pooling == "bytes" else self._measured(t) if info.timed else (0, 0)
-        return TableRequest(info.unique, counts, t.fingerprint(), t.num_embeddings, t.layout.num_local, True,
-                            t.layout.owns, PooledRequest(occ.counts, bag_counts, words, weight_bytes),
+        return TableRequest(info.unique, counts, t.fingerprint(), t.num_embeddings, layout.num_local, True,
+                            layout.owns, PooledRequest(plan.occ_counts, plan.bag_counts, words, weight_bytes),
                             t.local_weight.dtype, estimates)
 
     def _serve(self, t: Any, i: int, info: _Table, requested: torch.Tensor, parts: List[Any], routes: Routes
@@ -511,7 +511,7 @@ class TableSet:
             return ops.gather_rows(weight, slots)
         # Some requesters pool: per requester, its rows, or one partial bag per bag it sent. Backward adds
         # each gradient row (times the weight) into the coalesced gradient of the distinct slots asked for.
-        info.grad_slots, where = torch.unique(slots, sorted=True, return_inverse=True)
+        info.grad_slots, where = ops.unique_inverse(slots, max(t.layout.num_local, 1))
         info.grad_ids = torch.empty_like(info.grad_slots).index_copy_(0, where, requested)
         pieces, targets, sources, scales = [], [], [], []
         start = base = 0
@@ -537,7 +537,7 @@ class TableSet:
         # Backward sums, per distinct slot, its occurrences' gradient rows: with the occurrences sorted by slot
         # (stable: input order inside a slot), that is an embedding_bag over the few gradient rows.
         targets = torch.cat(targets)
-        order, info.grad_offsets = _group_by(targets, info.grad_slots.numel())
+        order, info.grad_offsets = ops.group_by(targets, info.grad_slots.numel())
         info.grad_rows = torch.cat(sources)[order]
         info.grad_scale = torch.cat(scales)[order] if any_weights else None
         return torch.cat(pieces)
@@ -568,7 +568,9 @@ class TableSet:
                     hot_entries.append((hot, info.hot_positions if info.hot_positions is not None else
                                         torch.empty(0, dtype=torch.int64, device=g.device), g[:0]))
             # Pooled: one gradient row per partial bag, already grouped by owner.
-            rows.append(g.contiguous() if info.pooled else ops.gather_rows(g.contiguous(), info.part.perm))
+            # Pooled, or rows without hot ones: already in owner order; else sorted by id (hot rows merged).
+            rows.append(g.contiguous() if info.pooled or info.hot is None
+                        else ops.gather_rows(g.contiguous(), info.part.perm))
         got = exchange_rows(rows, routes._replace(rows_send=send, rows_recv=recv, problem=None), self.group,
                             self.stats)
         hot_sums = sync_hot_gradients(hot_entries, self.group, n, [t.grad_reduction == "mean" for t in hot_tables],
@@ -589,25 +591,14 @@ class TableSet:
 
 
 def _unique_rows(t: Any, cold: torch.Tensor, info: _Table) -> torch.Tensor:
-    """A rows-path table's unique rows: the cold ones pulled (in owner order), the hot ones from the replica."""
+    """A rows-path table's unique rows: as pulled (owner order), or with hot ones, by id: the cold ones pulled,
+    the hot ones from the replica."""
     if info.hot is None:
-        return torch.empty_like(cold).index_copy_(0, info.part.perm, cold)
+        return cold
     rows = cold.new_empty(info.unique.numel(), cold.shape[1])
     rows.index_copy_(0, (~info.hot).nonzero().view(-1)[info.part.perm], cold)
     rows.index_copy_(0, info.hot.nonzero().view(-1), t.hot.weight.index_select(0, info.hot_positions))
     return rows
-
-
-def _group_by(index: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(order, offsets)``: positions sorted by ``index`` (stable), and where each of ``size`` groups starts.
-
-    With them, ``F.embedding_bag(src[order], rows, offsets, mode="sum")`` sums
-    per group, in input order, the rows ``src`` points at: the gradient of a
-    bag lookup, one group per row.
-    """
-    order = torch.argsort(index, stable=True)
-    count = torch.bincount(index, minlength=size)
-    return order, torch.cumsum(count, 0) - count
 
 
 class _PoolRows(torch.autograd.Function):
@@ -642,7 +633,9 @@ class _PoolRows(torch.autograd.Function):
         if bags.mode == "mean":
             counts = bags.counts(bag_of)
             grad = grad / counts.clamp(min=1).to(grad.dtype).unsqueeze(1)
-        order, offsets = _group_by(inverse, ctx.num_rows)
+        # Occurrences sorted by row (stable) and where each row's start: one embedding_bag sums each row's
+        # bag gradients in input order.
+        order, offsets = ops.group_by(inverse, ctx.num_rows)
         rows_grad = F.embedding_bag(bag_of[order], grad, offsets, mode="sum",
                                     per_sample_weights=weights[order] if weights is not None else None)
         return rows_grad, None, None, None
