@@ -133,18 +133,21 @@ def _check_values(values, name: str, rows: Optional[int], device: torch.device) 
         raise ValueError(f"{name} is on {values.device} but ids is on {device}")
 
 
+def _check_size(value, name: str) -> int:
+    """``value`` as an int >= 0 (TypeError / ValueError naming ``name`` otherwise)."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if v < 0:
+        raise ValueError(f"{name} must be >= 0, got {v}")
+    return v
+
+
 def _check_num_rows(num_rows) -> int:
     """``num_rows`` as the kernels take it: a bound >= 0, or -1 for "no upper bound" (None)."""
-    if num_rows is None:
-        return -1
-    try:
-        n = operator.index(num_rows)
-    except TypeError:
-        raise TypeError(f"num_rows must be an int or None, got {type(num_rows).__name__}") from None
-    if n < 0:
-        # The kernels read a negative bound as "none": it must never get there.
-        raise ValueError(f"num_rows must be >= 0, got {n}")
-    return n
+    # The kernels read a negative bound as "none": a negative one must never get there.
+    return -1 if num_rows is None else _check_size(num_rows, "num_rows")
 
 
 def _row_width(values: torch.Tensor) -> int:
@@ -422,16 +425,6 @@ def _check_int64_ids(ids, name: str) -> None:
     _check_ids(ids, name)
     if ids.dtype != torch.int64:
         raise TypeError(f"{name} must be int64, got {ids.dtype}")
-
-
-def _check_size(value, name: str) -> int:
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if v < 0:
-        raise ValueError(f"{name} must be >= 0, got {v}")
-    return v
 
 
 def group_by(index: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
