@@ -18,7 +18,8 @@ from test_ops import INDEX_DTYPES, VALUE_DTYPES, row_inputs
 # Fewer examples than test_ops: the fused kernels share the grouping and reductions tested there.
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-OPS = ["coalesce", "coalesce_partition", "partition", "gather", "scatter_add_", "pack_rows_", "coalesce_segments"]
+OPS = ["coalesce", "coalesce_partition", "partition", "gather", "scatter_add_", "pack_rows_", "coalesce_segments",
+       "group_by", "unique_inverse", "pooled_request"]
 
 
 def _opcheck_cases():

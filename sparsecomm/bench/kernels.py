@@ -10,8 +10,10 @@ Every result is checked before its time is reported (``#wrong``): ids exactly,
 sums against a float64 reference within the worst-case error of recursive
 summation in the values' dtype, ``gamma(m) * sum|x|`` with
 ``gamma(m) = m u / (1 - m u)`` for a row of ``m`` terms (``u`` the unit
-roundoff), which holds for any summation order. The run exits with status 3
-if any result is wrong (0 otherwise).
+roundoff), which holds for any summation order. Owner pooling's index kernels
+(group_by, unique_inverse, pooled_request: 2 owners by range, bags of 20 ids)
+must equal the torch ops they replace exactly, every output and its dtype.
+The run exits with status 3 if any result is wrong (0 otherwise).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from sparsecomm import ops
+from sparsecomm import _library, ops
 from sparsecomm.bench.harness import Contender, Row, print_table, time_interleaved, write_outputs
 from sparsecomm.synthetic import zipf_ids
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 EXIT_WRONG = 3
 OWNERS = 4
+POOL_OWNERS, POOL_BAG = 2, 20  # owner pooling's workload: 2 owners (range), bags of 20 ids
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -63,6 +66,19 @@ def count_wrong(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> in
     if got.shape != ref.shape:
         return max(got.numel(), ref.numel())
     return int(((got.double() - ref).abs() > bound).sum())
+
+
+def count_unequal(got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]) -> int:
+    """Elements of the outputs ``got`` that differ from ``want`` (an output of another dtype or shape: all)."""
+    if len(got) != len(want):
+        return sum(max(t.numel(), 1) for t in (*got, *want))
+    wrong = 0
+    for g, w in zip(got, want):
+        if g.dtype != w.dtype or g.shape != w.shape:
+            wrong += max(g.numel(), w.numel(), 1)
+        else:
+            wrong += int((g != w).sum())
+    return wrong
 
 
 def _progress(msg: str, t0: float) -> None:
@@ -208,6 +224,24 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         i, v = ops.coalesce_rows(ids, values, a.rows)
         return ops.partition_rows(i, v, OWNERS)
 
+    # Owner pooling's index kernels, each against the torch ops it replaces; outputs must be equal exactly.
+    def torch_group_by():
+        count = torch.bincount(inv, minlength=u)
+        return torch.argsort(inv, stable=True), torch.cumsum(count, 0) - count
+
+    ref_group_by = torch_group_by()
+    ref_unique_inverse = (uniq, inv)  # torch.unique(ids, sorted=True, return_inverse=True), above
+    bag_of = torch.arange(a.n, device=dev) // POOL_BAG
+    num_bags = -(-a.n // POOL_BAG)
+    pool_scheme, pool_range = ops._owner_map(POOL_OWNERS, "range", a.rows, None, 1)
+
+    def torch_pooled():
+        return _library.pooled_request_torch(ids, bag_of, a.rows, POOL_OWNERS, pool_scheme, pool_range, 1,
+                                             num_bags)
+
+    ref_pooled = torch_pooled()
+    partial_bags = ref_pooled[5].numel()
+
     groups = [
         ("coalesce", a.n * (ids.element_size() + row) + u * (ids.element_size() + row), [
             Contender("sparsecomm", lambda: ops.coalesce_rows(ids, values, a.rows),
@@ -239,6 +273,23 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
             Contender("sparsecomm fused", lambda: ops.coalesce_partition_rows(ids, values, OWNERS, num_rows=a.rows),
                       check_cp),
             Contender("sparsecomm coalesce, partition", two_step_cp, check_cp),
+        ]),
+        ("group_by", 8 * (2 * a.n + u), [
+            Contender("sparsecomm", lambda: ops.group_by(inv, u), lambda r: count_unequal(r, ref_group_by)),
+            Contender("torch argsort(stable)+bincount", torch_group_by, lambda r: count_unequal(r, ref_group_by)),
+        ]),
+        ("unique_inverse", 8 * (2 * a.n + u), [
+            Contender("sparsecomm", lambda: ops.unique_inverse(ids, a.rows),
+                      lambda r: count_unequal(r, ref_unique_inverse)),
+            Contender("torch unique(sorted, inverse)", lambda: torch.unique(ids, sorted=True, return_inverse=True),
+                      lambda r: count_unequal(r, ref_unique_inverse)),
+        ]),
+        (f"pooled_request({POOL_OWNERS} owners, bags of {POOL_BAG})",
+         a.n * (8 + 8 + 8 + 4) + 8 * ref_pooled[0].numel() + 12 * partial_bags, [
+            Contender("sparsecomm", lambda: ops.pooled_request(ids, bag_of, POOL_OWNERS, "range", a.rows,
+                                                               num_bags=num_bags),
+                      lambda r: count_unequal(r, ref_pooled)),
+            Contender("torch unique+unique_consecutive", torch_pooled, lambda r: count_unequal(r, ref_pooled)),
         ]),
     ]
     rows: List[Row] = []
