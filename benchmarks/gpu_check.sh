@@ -101,7 +101,7 @@ fi
 step compile_tests "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_compile.py
 # Without a GPU or CuPy the module skips itself; -rs prints why.
 step gpu_tests "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu_kernels.py tests/test_gpu_collectives.py \
-  tests/test_sharded_devices.py tests/test_sharded_compile.py tests/test_ops_pooled.py
+  tests/test_sharded_devices.py tests/test_sharded_compile.py
 
 # ---- 5. benchmarks -------------------------------------------------------------
 if [ -f benchmarks/bench_kernels.py ]; then

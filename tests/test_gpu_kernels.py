@@ -322,3 +322,20 @@ def test_gather_gradient_and_compile_on_cuda():
     ref = f(ids, values, t_eager)
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(ids, values, t_comp)
     assert torch.equal(got, ref) and torch.equal(t_comp, t_eager)
+
+
+def test_index_ops_match_cpu():
+    """group_by, unique_inverse and pooled_request (torch code on CUDA) give the CPU kernels' results."""
+    ids = zipf_ids(5000, NUM_ROWS, seed=3)
+    uniq, inv = ops.unique_inverse(ids, NUM_ROWS)
+    got = ops.unique_inverse(ids.to(CUDA), NUM_ROWS)
+    assert torch.equal(got[0].cpu(), uniq) and torch.equal(got[1].cpu(), inv)
+    order, offsets = ops.group_by(inv, uniq.numel())
+    got = ops.group_by(inv.to(CUDA), uniq.numel())
+    assert torch.equal(got[0].cpu(), order) and torch.equal(got[1].cpu(), offsets)
+    bag_of = torch.arange(ids.numel()) // 20
+    for scheme in ("hash", "range"):
+        want = ops.pooled_request(ids, bag_of, 3, scheme, NUM_ROWS, num_bags=250)
+        plan = ops.pooled_request(ids.to(CUDA), bag_of.to(CUDA), 3, scheme, NUM_ROWS, num_bags=250)
+        for name, a, b in zip(want._fields, want, plan):
+            assert b.device.type == "cuda" and b.dtype == a.dtype and torch.equal(b.cpu(), a), (scheme, name)
