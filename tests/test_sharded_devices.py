@@ -88,3 +88,24 @@ def test_checkpoint_round_trip_on_the_tables_device(device, tmp_path):
         assert torch.equal(dst.emb.full_weight().cpu(), src.emb.full_weight().cpu())
         state = dst_opt.state[dst.emb.local_weight]
         assert state["step"] == 1 and state["exp_avg"].device.type == target
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_hot_rows_on_the_tables_device(device, fused):
+    """A table replicating its hot rows keeps the replica on its device and trains like the plain table."""
+    config = sh.HotRowConfig(budget_bytes=10 * (3 * 8 + 8 + 16), window=2, min_count=1)
+    tables = [sh.ShardedEmbeddingBag(40, 3, mode="sum", dtype=torch.float64, device=device, seed=1, padding_idx=0,
+                                     hot_rows=hot) for hot in (config, None)]
+    opts = [sh.ShardedAdagrad(t, lr=0.1, rowwise=True, fused=fused) for t in tables]
+    for step in range(6):
+        ids = torch.tensor([1, 5, 5, 39, 0, 7, 5, step], device=device)
+        offsets = torch.tensor([0, 3, 3, 6], device=device)
+        for t, o in zip(tables, opts):
+            t(ids, offsets).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    hot = tables[0].hot
+    assert hot.size > 0 and 0 not in hot.ids.tolist()
+    assert {x.device.type for x in (hot.ids, hot.weight, hot.owned_slots, *hot.state.values())} == {device}
+    assert torch.allclose(tables[0].full_weight(), tables[1].full_weight(), rtol=1e-12, atol=1e-12)
