@@ -455,7 +455,8 @@ class ShardedEmbeddingBag(_ShardedTable):
             partial bag per bag back (backward: one gradient row per bag);
             ``"never"``: the owners send the batch's unique rows and the
             requester pools them; ``"auto"`` (default): measure both (each
-            rank times its rounds: three take rows, three are pooled, the
+            rank times its lookups, the exchanges and its own pooling work
+            with their backward: three take rows, three are pooled, the
             first of each not counted), then take the one that was faster
             summed over the ranks, re-measuring the other every 64 rounds; ``"bytes"``: take the one
             that moves fewer bytes. Both automatic rules decide from every

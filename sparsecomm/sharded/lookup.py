@@ -59,12 +59,15 @@ class Bags:
         lengths: ``(num_bags,)`` int64 ids per bag (consecutive in the flat
             ids, which they cover: the table refuses ids after the last bag).
         weights: ``(n,)`` per-sample weights (not requiring grad), or None.
+        backward_seconds: how long the rows path's pooling backward took
+            (:func:`pool_rows`), for ``owner_pooling="auto"``'s timing.
     """
 
-    __slots__ = ("num_bags", "mode", "lengths", "weights")
+    __slots__ = ("num_bags", "mode", "lengths", "weights", "backward_seconds")
 
     def __init__(self, num_bags: int, mode: str, lengths: torch.Tensor, weights: Optional[torch.Tensor]) -> None:
         self.num_bags, self.mode, self.lengths, self.weights = num_bags, mode, lengths, weights
+        self.backward_seconds = 0.0   # the requester's pooling backward on the rows path (owner_pooling="auto")
 
     def counts(self, bag_of: torch.Tensor) -> torch.Tensor:
         """``(num_bags,)`` int64: how many of the ids with bags ``bag_of`` each bag holds."""
@@ -169,12 +172,17 @@ class _Table:
     """
 
     __slots__ = ("unique", "part", "inverses", "pad", "pooled", "timed", "bag_rows", "bag_counts", "bags",
-                 "grad_slots", "grad_ids", "grad_offsets", "grad_rows", "grad_scale", "hot", "hot_positions")
+                 "grad_slots", "grad_ids", "grad_offsets", "grad_rows", "grad_scale", "hot", "hot_positions",
+                 "finish_seconds", "row_bags")
 
     def __init__(self) -> None:
         self.unique = self.part = None
         # Replicated hot rows: which of ``unique`` are hot (bool), and their positions in the table's hot set.
         self.hot = self.hot_positions = None
+        # "auto" timing beyond the round: the requester's work on the rows it got (pooling them, or adding the
+        # partial bags), and on the rows path the bags whose pooling backward times itself.
+        self.finish_seconds = 0.0
+        self.row_bags: Optional[Bags] = None
         self.inverses: List[torch.Tensor] = []
         self.pad: Optional[int] = None
         self.pooled = self.timed = False
@@ -327,8 +335,10 @@ class TableSet:
             nth = seen.get(i, 0)
             seen[i] = nth + 1
             info = tables[i]
+            start = time.perf_counter()
             with torch.set_grad_enabled(lk.grad_enabled):
                 lk.result = _pool(rows[i], info) if info.pooled else lk.finish(rows[i], info.inverses[nth], info.pad)
+            info.finish_seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------ the round
 
@@ -347,7 +357,8 @@ class TableSet:
         return int(timing[1]), int(timing[3])
 
     def _record(self, tables: List[_Table], seconds: float) -> None:
-        """Average a finished round's time (pull + push) into the path each "auto" table took.
+        """Average a finished lookup's time into the path each "auto" table took: the round (pull + push) and
+        the requester's own work on the rows (pooling them and its backward, or adding the partial bags).
 
         The first round of each path is not counted (it pays for first-touch buffers and warm-up).
         """
@@ -358,7 +369,8 @@ class TableSet:
             at = 2 * int(info.pooled)
             timing[at] += 1
             if timing[at] >= 2:
-                us = max(1.0, seconds * 1e6)
+                own = info.finish_seconds + (info.row_bags.backward_seconds if info.row_bags is not None else 0.0)
+                us = max(1.0, (seconds + own) * 1e6)
                 timing[at + 1] = us if not timing[at + 1] else 0.5 * (timing[at + 1] + us)
 
     def _request(self, state: Dict[str, Any], async_op: bool = False) -> None:
@@ -404,6 +416,7 @@ class TableSet:
                     estimates = _estimates(t, info, inverse, lks[0].bags, me)
                 elif choice == "auto":
                     estimates, info.timed = self._measured(t), True
+                    info.row_bags = lks[0].bags
             if info.hot is None and info.unique.numel():
                 # The rows arrive in owner order: point the lookups there instead of sorting the rows back
                 # (and backward's gradient rows are then in the order they travel).
@@ -621,6 +634,7 @@ class _PoolRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        start = time.perf_counter()
         (inverse,) = ctx.saved_tensors
         bags = ctx.bags
         bag_of = bags.bag_of(inverse.numel())
@@ -638,6 +652,7 @@ class _PoolRows(torch.autograd.Function):
         order, offsets = ops.group_by(inverse, ctx.num_rows)
         rows_grad = F.embedding_bag(bag_of[order], grad, offsets, mode="sum",
                                     per_sample_weights=weights[order] if weights is not None else None)
+        bags.backward_seconds = time.perf_counter() - start
         return rows_grad, None, None, None
 
 
