@@ -230,9 +230,8 @@ class _ShardedTable(nn.Module):
 
     def _drop_hot(self) -> None:
         """Forget the replicated hot rows (their shard rows or optimizer state were replaced)."""
-        hot = getattr(self, "hot", None)
-        if hot is not None:
-            hot.drop()
+        if self.hot is not None:
+            self.hot.drop()
 
     def _padding_position(self, unique: torch.Tensor) -> Optional[int]:
         """Position of the padding row among a round's sorted unique ids, or None."""

@@ -205,10 +205,7 @@ class HotRows:
         device = self.ids.device
         if not self._seen or k == 0:
             return torch.empty(0, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int64, device=device)
-        ids = torch.cat([i for i, _ in self._seen])
-        counts = torch.cat([c for _, c in self._seen])
-        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        total = torch.zeros(unique.numel(), dtype=torch.int64, device=device).index_add_(0, inverse, counts)
+        unique, total = _sum_counts(torch.cat([i for i, _ in self._seen]), torch.cat([c for _, c in self._seen]))
         if padding_idx is not None:
             total[unique == padding_idx] = 0
         top = torch.topk(total, min(k, unique.numel())).indices
@@ -240,10 +237,8 @@ class HotRows:
             raise ValueError(f"{type(table).__name__} hot rows: {problem}")
         if any(e["pending"] for e in everyone):
             return  # a gradient is held somewhere (until zero_grad): keep the set, choose at the next window's end
-        ids = torch.cat([e["ids"].to(self.ids.device) for e in everyone])
-        tot = torch.cat([e["counts"].to(self.ids.device) for e in everyone])
-        unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-        total = torch.zeros(unique.numel(), dtype=torch.int64, device=unique.device).index_add_(0, inverse, tot)
+        unique, total = _sum_counts(torch.cat([e["ids"].to(self.ids.device) for e in everyone]),
+                                    torch.cat([e["counts"].to(self.ids.device) for e in everyone]))
         order = torch.argsort(-total, stable=True)[:k]          # highest totals; ties: the smaller id
         order = order[total[order] >= self.config.min_count]
         new = torch.sort(unique[order]).values
@@ -292,6 +287,12 @@ class HotRows:
         self.ids, self.weight, self.state, self.owned_slots = new, weight, new_state, owned_slots
         self._grad = []
         self.version += 1
+
+
+def _sum_counts(ids: torch.Tensor, counts: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ``ids`` (sorted) and the sum of ``counts`` of each."""
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    return unique, torch.zeros(unique.numel(), dtype=torch.int64, device=ids.device).index_add_(0, inverse, counts)
 
 
 def _width(rows: torch.Tensor) -> int:

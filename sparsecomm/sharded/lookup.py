@@ -163,7 +163,8 @@ class _Table:
     """What a round keeps of one table.
 
     As requester: its unique ids, their owners (of the cold ones, when the
-    table replicates hot rows), each lookup's inverse, and
+    table replicates hot rows), each lookup's inverse into the round's rows
+    (in the order they arrive: by owner, then the hot rows), and
     for a pooled lookup the bag of every partial row it gets back. As owner:
     the slots whose gradient rows it receives (``grad_slots``, their ids
     ``grad_ids``); when some requester pooled, those are the distinct slots, and
@@ -172,13 +173,14 @@ class _Table:
     """
 
     __slots__ = ("unique", "part", "inverses", "pad", "pooled", "timed", "bag_rows", "bag_counts", "bags",
-                 "grad_slots", "grad_ids", "grad_offsets", "grad_rows", "grad_scale", "hot", "hot_positions",
+                 "grad_slots", "grad_ids", "grad_offsets", "grad_rows", "grad_scale", "hot_positions",
                  "finish_seconds", "row_bags")
 
     def __init__(self) -> None:
         self.unique = self.part = None
-        # Replicated hot rows: which of ``unique`` are hot (bool), and their positions in the table's hot set.
-        self.hot = self.hot_positions = None
+        # Replicated hot rows: the positions in the table's hot set of the round's hot ids (their rows follow
+        # the cold rows), or None.
+        self.hot_positions: Optional[torch.Tensor] = None
         # "auto" timing beyond the round: the requester's work on the rows it got (pooling them, or adding the
         # partial bags), and on the rows path the bags whose pooling backward times itself.
         self.finish_seconds = 0.0
@@ -344,7 +346,7 @@ class TableSet:
 
     def _pooling(self, t: Any, ids: List[Lookup], ok: bool) -> Optional[Lookup]:
         """The lookup to pool at its owners this round, or None (rows path)."""
-        if not ok or len(ids) != 1 or ids[0].bags is None or getattr(t, "hot", None) is not None:
+        if not ok or len(ids) != 1 or ids[0].bags is None or t.hot is not None:
             return None
         choice = getattr(t, "owner_pooling", "never")
         if choice == "always" or (choice in ("auto", "bytes") and self._pool_next.get(id(t), False)):
@@ -398,14 +400,14 @@ class TableSet:
             info.inverses = list(torch.split(inverse, [x.numel() for x in ids])) if ids and ok else \
                 [inverse] * len(ids)
             info.pad = t._padding_position(info.unique)
-            cold = info.unique
-            hot = getattr(t, "hot", None)
+            cold, hot_mask = info.unique, None
+            hot = t.hot
             if hot is not None and ok:
                 hot.count(info.unique, torch.bincount(inverse, minlength=info.unique.numel()))
                 split = hot.split(info.unique)
                 if split is not None:  # hot rows come from the replica; only the cold ones travel
-                    info.hot, info.hot_positions = split
-                    cold = info.unique[~info.hot]
+                    hot_mask, info.hot_positions = split
+                    cold = info.unique[~hot_mask]
             info.part = t.layout.partition(cold)
             t.stats.rows_in += int(flat.numel())
             t.stats.row_lookups += len(lks)
@@ -417,11 +419,13 @@ class TableSet:
                 elif choice == "auto":
                     estimates, info.timed = self._measured(t), True
                     info.row_bags = lks[0].bags
-            if info.hot is None and info.unique.numel():
-                # The rows arrive in owner order: point the lookups there instead of sorting the rows back
-                # (and backward's gradient rows are then in the order they travel).
-                where = torch.empty_like(info.part.perm)
-                where[info.part.perm] = torch.arange(where.numel(), device=where.device)
+            if info.unique.numel():
+                # The rows arrive by owner, then the hot ones from the replica: point the lookups there instead
+                # of sorting the rows back (and backward's gradient rows are then in the order they travel).
+                arrival = info.part.perm if hot_mask is None else \
+                    torch.cat([(~hot_mask).nonzero().view(-1)[info.part.perm], hot_mask.nonzero().view(-1)])
+                where = torch.empty_like(arrival)
+                where[arrival] = torch.arange(where.numel(), device=where.device)
                 info.inverses = [where[x] for x in info.inverses]
                 info.pad = int(where[info.pad]) if info.pad is not None else None
             requests.append(TableRequest(info.part.ids, info.part.counts, t.fingerprint(), t.num_embeddings,
@@ -436,7 +440,7 @@ class TableSet:
         """Tables with hot rows whose window ended since their last choice, when no round awaits its backward."""
         if self._awaiting:
             return []
-        return [t for t in self.tables if getattr(t, "hot", None) is not None
+        return [t for t in self.tables if t.hot is not None
                 and self.rounds // t.hot.config.window > self._hot_epoch.get(id(t), 0)]
 
     def _choose_hot_rows(self) -> bool:
@@ -473,7 +477,8 @@ class TableSet:
                   for i, (t, info, requested, parts) in enumerate(zip(self.tables, tables, routes.requested,
                                                                       routes.pooled))]
         got = pull_rows(served, routes, self.group, self.stats)
-        rows = [g if info.pooled else _unique_rows(t, g, info) for t, g, info in zip(self.tables, got, tables)]
+        rows = [g if info.hot_positions is None else torch.cat([g, t.hot.weight.index_select(0, info.hot_positions)])
+                for t, g, info in zip(self.tables, got, tables)]
         return rows, routes, tables
 
     def _pooled_request(self, t: Any, info: _Table, lk: Lookup, me: int, n: int) -> TableRequest:
@@ -571,19 +576,15 @@ class TableSet:
             if g is None:  # looked up, but its result got no gradient this time
                 size = sum(count) if info.pooled or info.unique is None else info.unique.numel()
                 g = t.local_weight.new_zeros(size, t.embedding_dim)
-            hot = getattr(t, "hot", None)
-            if hot is not None and hot.size:  # every rank takes part in the hot rows' sum, looked up or not
+            if t.hot is not None and t.hot.size:  # every rank takes part in the hot rows' sum, looked up or not
                 hot_tables.append(t)
-                if info.hot is not None:
-                    hot_entries.append((hot, info.hot_positions, g[info.hot]))
-                    g = g[~info.hot]
-                else:
-                    hot_entries.append((hot, info.hot_positions if info.hot_positions is not None else
-                                        torch.empty(0, dtype=torch.int64, device=g.device), g[:0]))
-            # Pooled: one gradient row per partial bag, already grouped by owner.
-            # Pooled, or rows without hot ones: already in owner order; else sorted by id (hot rows merged).
-            rows.append(g.contiguous() if info.pooled or info.hot is None
-                        else ops.gather_rows(g.contiguous(), info.part.perm))
+                positions = info.hot_positions if info.hot_positions is not None else \
+                    torch.empty(0, dtype=torch.int64, device=g.device)
+                cold = g.shape[0] - positions.numel()   # the hot rows' gradient follows the cold rows'
+                hot_entries.append((t.hot, positions, g[cold:]))
+                g = g[:cold]
+            # In the order the rows travel: by owner (rows), or one gradient row per partial bag (pooled).
+            rows.append(g.contiguous())
         got = exchange_rows(rows, routes._replace(rows_send=send, rows_recv=recv, problem=None), self.group,
                             self.stats)
         hot_sums = sync_hot_gradients(hot_entries, self.group, n, [t.grad_reduction == "mean" for t in hot_tables],
@@ -601,17 +602,6 @@ class TableSet:
         for t, (positions, rows) in zip(hot_tables, hot_sums):
             t._hot_gradient(positions, rows)
         return out
-
-
-def _unique_rows(t: Any, cold: torch.Tensor, info: _Table) -> torch.Tensor:
-    """A rows-path table's unique rows: as pulled (owner order), or with hot ones, by id: the cold ones pulled,
-    the hot ones from the replica."""
-    if info.hot is None:
-        return cold
-    rows = cold.new_empty(info.unique.numel(), cold.shape[1])
-    rows.index_copy_(0, (~info.hot).nonzero().view(-1)[info.part.perm], cold)
-    rows.index_copy_(0, info.hot.nonzero().view(-1), t.hot.weight.index_select(0, info.hot_positions))
-    return rows
 
 
 class _PoolRows(torch.autograd.Function):
