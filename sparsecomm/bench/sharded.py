@@ -8,9 +8,10 @@ same table, batch and optimizer for every method, interleaved per round so
 machine noise hits all alike:
 
   sparsecomm_hash   ``ShardedEmbeddingBag(scheme="hash", owner_pooling=--owner-pooling)`` +
-                    ``ShardedAdagrad(rowwise=True, fused=--fused)`` (defaults: "auto", fused: updated
-                    in backward, as TorchRec's fused optimizer); ``--prefetch 1`` sends each
-                    step's ids during the previous step (``table.prefetch``)
+                    ``ShardedAdagrad(rowwise=True, fused=--fused, defer=--defer)`` (defaults: "auto",
+                    fused: updated in backward, as TorchRec's fused optimizer, with the gradient rows
+                    riding in the next step's request); ``--prefetch 1`` sends each step's ids during
+                    the previous step (``table.prefetch``)
   sparsecomm_range  the same with ``scheme="range"`` (contiguous blocks, like TorchRec's row-wise)
   sparsecomm_hot    ``sparsecomm_range`` with hot-row replication: ``HotRowConfig(budget_bytes=--hot-mb MB,
                     window=--hot-window)`` (the most looked-up rows on every rank, the rest sharded)
@@ -199,7 +200,9 @@ class Sparsecomm(Method):
         config = HotRowConfig(budget_bytes=int(a.hot_mb * 2**20), window=a.hot_window) if hot else None
         self.emb = ShardedEmbeddingBag(a.rows, a.dim, mode="sum", scheme=scheme, grad_reduction="sum",
                                        owner_pooling=a.owner_pooling, _weight=table, seed=0, hot_rows=config)
-        self.opt = ShardedAdagrad(self.emb, lr=a.lr, eps=a.eps, rowwise=True, fused=bool(a.fused))
+        fused = bool(a.fused)
+        self.opt = ShardedAdagrad(self.emb, lr=a.lr, eps=a.eps, rowwise=True, fused=fused,
+                                  defer=fused and bool(getattr(a, "defer", 0)))
         self.ids, self.w = ids, w
         self.steps = 0
         self.prefetch = bool(getattr(a, "prefetch", 0))
@@ -487,6 +490,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                         "they travel during backward and the update; default 0")
     p.add_argument("--fused", type=int, choices=(0, 1), default=1,
                    help="1 (default): sparsecomm's optimizer updates in backward, like TorchRec's; 0: in step()")
+    p.add_argument("--defer", type=int, choices=(0, 1), default=1,
+                   help="1 (default, with --fused 1): the optimizer's defer=True: a backward's gradient rows travel "
+                        "with the next lookup's request (one all-to-all fewer per step, the same training); 0: "
+                        "pushed in backward")
     p.add_argument("--hot-mb", type=float, default=16.0,
                    help="sparsecomm_hot's replica budget per rank, MB (rows + optimizer state; default 16)")
     p.add_argument("--hot-window", type=int, default=2,

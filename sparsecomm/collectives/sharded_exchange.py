@@ -54,7 +54,7 @@ from sparsecomm.types import SparseSyncStats
 
 __all__ = [
     "STATUS_OK", "STATUS_ID_RANGE", "STATUS_BAD_INPUT", "FINGERPRINT_LEN", "MAX_OCCURRENCES", "TableRequest",
-    "PooledRequest", "PooledPart", "Routes", "pack_words", "words_for", "pooled_words",
+    "PooledRequest", "PooledPart", "Routes", "Carry", "pack_words", "words_for", "pooled_words",
     "world", "sharded_group", "request_rows", "start_request", "finish_request", "PendingRequest", "pull_rows",
     "exchange_rows", "allgather_table_rows",
     "all_gather_objects", "barrier", "agree", "broadcast_int",
@@ -399,21 +399,44 @@ class PendingRequest:
         self.__dict__.update(fields)
 
 
+class Carry(NamedTuple):
+    """Rows that ride in a request's first all-to-all: an earlier round's gradient rows, pushed late.
+
+    Attributes:
+        rows: per table, ``sum(send[t])`` rows, those for peer j consecutive, in peer order.
+        send: per table, rows for each peer.
+        recv: per table, rows from each peer. Both count lists come from an
+            earlier round's validated routes, so every rank expects what its
+            peers send.
+    """
+
+    rows: List[torch.Tensor]
+    send: List[List[int]]
+    recv: List[List[int]]
+
+
 def start_request(requests: Sequence[TableRequest], *, status: int, detail: int, message: str, round: int,
                   group: Optional[dist.ProcessGroup], stats: Optional[SparseSyncStats] = None, capacity: int = 0,
-                  async_op: bool = False) -> PendingRequest:
+                  async_op: bool = False, carry: Optional[Carry] = None) -> PendingRequest:
     """The first half of :func:`request_rows`: build the metadata message and send it.
 
     With ``async_op`` the all-to-all runs in the background (the process
     group's own thread) until :func:`finish_request`, so a lookup's id
     exchange can overlap other work; every rank must start and finish the
     same requests in the same order, as with any collective.
+
+    ``carry`` (not with ``async_op``): rows that travel in the same
+    all-to-all, behind the metadata (a deferred gradient push); what arrives
+    is in the returned request's ``carried`` (per table, by source rank), as
+    soon as this returns, whatever :func:`finish_request` then finds.
     """
+    if carry is not None and async_op:
+        raise ValueError("start_request: carried rows travel in a synchronous request only")
     send = [[int(c) for c in r.counts.tolist()] for r in requests]
     common = dict(requests=requests, send=send, status=status, message=message, group=group, stats=stats,
                   capacity=capacity)
     if group is None:
-        return PendingRequest(**common)
+        return PendingRequest(**common, carried=list(carry.rows) if carry is not None else None)
     me, n = world(group)
     dev = comm_device(group, requests[0].ids_by_owner.device)
     per_table = 2 + FINGERPRINT_LEN + n + _POOL_HEAD + 2 * n + 2
@@ -443,16 +466,22 @@ def start_request(requests: Sequence[TableRequest], *, status: int, detail: int,
             full[j, head:head + mine.numel()] = mine
     # Every rank sends ``width`` columns (known to all): its whole row when it fits, else only its header,
     # which says how many columns it needs; then every rank resends at the largest need.
-    work = recv_meta = message_out = None
+    work = recv_meta = message_out = carried = None
     if async_op:
         message_out = full[:, :width].contiguous().to(dev)   # kept in the pending request until the wait
         recv_meta = torch.empty_like(message_out)
         count_bytes(stats, [width * 8] * n, [width * 8] * n, me, None)
         work = dist.all_to_all_single(recv_meta, message_out, group=group, async_op=True)
+    elif carry is not None:
+        ones = [1] * n
+        recv_meta, *got = _exchange_blocks([full[:, :width], *carry.rows], [ones, *carry.send],
+                                           [ones, *carry.recv], group, stats)
+        carried = [g.to(r.device) for g, r in zip(got, carry.rows)]
     else:
         (recv_meta,) = all_to_all_rows([full[:, :width]], [1] * n, [1] * n, group, dev, stats)
     return PendingRequest(**common, me=me, n=n, dev=dev, per_table=per_table, head=head, pieces=pieces, key=key,
-                          width=width, full=full, recv_meta=recv_meta, work=work, message_out=message_out)
+                          width=width, full=full, recv_meta=recv_meta, work=work, message_out=message_out,
+                          carried=carried)
 
 
 def finish_request(p: PendingRequest) -> Routes:

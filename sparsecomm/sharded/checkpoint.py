@@ -39,6 +39,7 @@ import torch.nn as nn
 from sparsecomm.collectives.sharded_exchange import agree, all_gather_objects, barrier, sharded_group, world
 from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded.embedding import sharded_modules
+from sparsecomm.sharded.lookup import flush
 from sparsecomm.sharded.optimizer import ShardedOptimizer
 
 __all__ = ["save", "load", "verify", "export_full", "CheckpointError"]
@@ -175,6 +176,7 @@ def save(directory: str, model: nn.Module, optimizer: Any = None, extra: Any = N
         The manifest (as written to ``manifest.json``).
     """
     tables, group, rank, world_size = _tables_and_group(model)
+    flush(model)  # open rounds run, and a deferred gradient lands in the shards before they are written
     optimizer, replicated = _split(optimizer)
     names = [n for n, _ in tables]
     by_table = _optimizer_tables(optimizer, tables)
@@ -401,6 +403,7 @@ def load(directory: str, model: nn.Module, optimizer: Any = None, strict: bool =
             message names the rank and the problem.
     """
     tables, group, _, _ = _tables_and_group(model)
+    flush(model)  # a deferred gradient lands first (the checkpoint then replaces what it updated)
     optimizer, replicated = _split(optimizer)
     what = f"sparsecomm.sharded.load refused {directory}"
     manifest = error = None

@@ -169,7 +169,9 @@ class _ShardedTable(nn.Module):
         For exporting to an unsharded model for inference; it takes ``V x d``
         memory on every rank. Offline, ``sparsecomm.sharded.export_full``
         builds the same table from a checkpoint directory without processes.
+        A gradient a ``defer=True`` optimizer left pending is applied first.
         """
+        self._set.push_deferred()
         ids, rows = allgather_table_rows(self.layout.owned_ids(), self.local_weight.detach(),
                                          self.num_embeddings, self._group)
         full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=rows.dtype, device=rows.device)

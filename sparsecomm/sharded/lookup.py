@@ -31,7 +31,7 @@ round do sends zero rows (lazy optimizers then see a zero gradient for those row
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from sparsecomm import ops
-from sparsecomm.collectives.sharded_exchange import (STATUS_OK, PooledRequest, Routes, TableRequest, exchange_rows,
-                                                     finish_request, pack_words, pull_rows, start_request, world)
+from sparsecomm.collectives.sharded_exchange import (STATUS_OK, Carry, PooledRequest, Routes, TableRequest,
+                                                     exchange_rows, finish_request, pack_words, pull_rows,
+                                                     start_request, world)
 from sparsecomm.sharded.hot import sync_hot_gradients
 from sparsecomm.types import SparseSyncStats
 
@@ -210,6 +211,15 @@ class _Awaiting:
         self.close()
 
 
+class _Deferred(NamedTuple):
+    """A round's gradient rows whose push waits for the next round's request (optimizers with ``defer=True``)."""
+
+    tables: List[_Table]          # the round's owner-side records (where each gradient row goes)
+    pushing: List[bool]           # per table: whether it gets a gradient (the same on every rank)
+    routes: Routes                # the round's routes, with the gradient's row counts
+    carry: Carry                  # the rows, and how many go to / come from each peer
+
+
 class _Round(torch.autograd.Function):
     """One round: every table's unique rows from their owners; backward pushes their gradients in one exchange."""
 
@@ -276,6 +286,8 @@ class TableSet:
         # Rounds whose backward may still run (gradient enabled, graph alive): while any is, hot sets stay
         # as they are, since those rounds' gradients are addressed to positions in them.
         self._awaiting = 0
+        # A backward's gradient rows not pushed yet: they ride in the next round's request (or push_deferred()).
+        self._deferred: Optional[_Deferred] = None
 
     def prefetch(self, lookups: Sequence[Lookup]) -> None:
         """Start the id exchange of a round now, in the background (collective: every rank prefetches alike).
@@ -287,6 +299,7 @@ class TableSet:
         self.flush()
         if self._prefetched is not None:  # prefetched but never used: end it (every rank does the same)
             self._finish(self._prefetched)
+        self.push_deferred()  # a prefetched request starts in the background: it carries no gradient rows
         bad = next((lk.status for lk in lookups if lk.status[0] != STATUS_OK), None)
         state = {"lookups": list(lookups), "status": bad or (STATUS_OK, 0, "")}
         self._request(state, async_op=True)
@@ -432,9 +445,13 @@ class TableSet:
                                          t.layout.num_local, bool(lks), t.layout.owns,
                                          weight_dtype=t.local_weight.dtype, estimates=estimates))
         state["tables"] = tables
+        carry = None
+        if self._deferred is not None and not async_op:  # the last backward's gradient rows travel along
+            state["deferred"], self._deferred = self._deferred, None
+            carry = state["deferred"].carry
         state["pending"] = start_request(requests, status=status[0], detail=status[1], message=status[2],
                                          round=self.rounds, group=self.group, stats=self.stats,
-                                         capacity=self.capacity, async_op=async_op)
+                                         capacity=self.capacity, async_op=async_op, carry=carry)
 
     def _hot_due(self) -> List[Any]:
         """Tables with hot rows whose window ended since their last choice, when no round awaits its backward."""
@@ -458,8 +475,17 @@ class TableSet:
         return changed
 
     def _finish(self, state: Dict[str, Any]) -> Routes:
-        """Wait for a started round's id exchange and check it; the round counts once it passed."""
-        routes = finish_request(state.pop("pending"))
+        """Wait for a started round's id exchange and check it; the round counts once it passed.
+
+        Gradient rows that rode along (a deferred push) are applied first,
+        whatever the checks find: they belong to an earlier, validated round.
+        """
+        pending, deferred = state.pop("pending"), state.pop("deferred", None)
+        try:
+            routes = finish_request(pending)
+        finally:
+            if deferred is not None and pending.carried is not None:
+                self._owner_gradients(deferred.tables, deferred.pushing, pending.carried)
         self.rounds += 1
         return routes
 
@@ -585,10 +611,23 @@ class TableSet:
                 g = g[:cold]
             # In the order the rows travel: by owner (rows), or one gradient row per partial bag (pooled).
             rows.append(g.contiguous())
-        got = exchange_rows(rows, routes._replace(rows_send=send, rows_recv=recv, problem=None), self.group,
-                            self.stats)
+        routes = routes._replace(rows_send=send, rows_recv=recv, problem=None)
+        if self._defers(pushing):
+            self.push_deferred()  # an earlier round's pending gradient is applied first (updates keep their order)
+            self._deferred = _Deferred(tables, pushing, routes, Carry(rows, send, recv))
+            return [None] * len(self.tables)
+        got = exchange_rows(rows, routes, self.group, self.stats)
         hot_sums = sync_hot_gradients(hot_entries, self.group, n, [t.grad_reduction == "mean" for t in hot_tables],
                                       [t.stats for t in hot_tables])
+        out = self._owner_gradients(tables, pushing, got)
+        for t, (positions, rows) in zip(hot_tables, hot_sums):
+            t._hot_gradient(positions, rows)
+        return out
+
+    def _owner_gradients(self, tables: List[_Table], pushing: Sequence[bool], got: Sequence[torch.Tensor]
+                         ) -> List[Optional[torch.Tensor]]:
+        """Each table's gradient from the rows pushed to this owner (None: not pushed, or applied by a fused
+        optimizer)."""
         out = []
         for t, info, g, p in zip(self.tables, tables, got, pushing):
             if not p:
@@ -599,9 +638,39 @@ class TableSet:
                 g = F.embedding_bag(info.grad_rows, g, info.grad_offsets, mode="sum",
                                     per_sample_weights=info.grad_scale)
             out.append(t._owner_gradient(info.grad_slots, info.grad_ids, g, coalesced=coalesced))
-        for t, (positions, rows) in zip(hot_tables, hot_sums):
-            t._hot_gradient(positions, rows)
         return out
+
+    def _defers(self, pushing: Sequence[bool]) -> bool:
+        """Whether this backward's push waits for the next request: every table that gets a gradient has a
+        fused optimizer with ``defer=True`` and no hot rows, and no request was started early (prefetch).
+
+        Ranks attach the same optimizers and prefetch alike, so all decide the same.
+        """
+        if self._prefetched is not None or not any(pushing):
+            return False
+        for t, p in zip(self.tables, pushing):
+            if not p:
+                continue
+            opt = t._optimizer() if t._optimizer is not None else None
+            if opt is None or not getattr(opt, "fused", False) or not getattr(opt, "defer", False) \
+                    or t.hot is not None:
+                return False
+        return True
+
+    def push_deferred(self) -> None:
+        """Push and apply a backward's gradient that waits for the next round (collective; no-op when none is
+        pending, which every rank agrees on).
+
+        With ``defer=True`` optimizers the gradient of a round's backward
+        travels in the next round's request and is applied before that round
+        serves any row; this pushes it now instead: :func:`flush`,
+        ``sparsecomm.sharded.save``/``load`` and :meth:`prefetch` call it.
+        """
+        d, self._deferred = self._deferred, None
+        if d is None:
+            return
+        got = exchange_rows(d.carry.rows, d.routes, self.group, self.stats)
+        self._owner_gradients(d.tables, d.pushing, got)
 
 
 class _PoolRows(torch.autograd.Function):
@@ -740,7 +809,8 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[Any]] = None) -> Ta
         raise ValueError(f"{type(model).__name__} contains no sharded table to group")
     table_set = TableSet(tables, lazy=True)
     for t in tables:
-        t._set.flush()  # a lookup still pending in its old set runs there first
+        t._set.flush()  # a lookup still pending in its old set runs there first, and its gradient is pushed
+        t._set.push_deferred()
         t._set = table_set
 
     def finish_forward(module, args, output):
@@ -754,7 +824,8 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[Any]] = None) -> Ta
 
 
 def flush(model: nn.Module) -> None:
-    """Run every open round of ``model``'s sharded tables (collective)."""
+    """Run every open round of ``model``'s sharded tables, and push any gradient a ``defer=True`` optimizer left
+    pending (collective): afterwards every shard and its optimizer state hold every update."""
     from sparsecomm.sharded.embedding import sharded_modules
 
     done = set()
@@ -762,3 +833,4 @@ def flush(model: nn.Module) -> None:
         if id(t._set) not in done:
             done.add(id(t._set))
             t._set.flush()
+            t._set.push_deferred()

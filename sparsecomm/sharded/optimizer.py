@@ -17,6 +17,18 @@ backward through a lookup round is one update, so with one round per step
 exactly as the unfused optimizer; gradient accumulation over several backward
 passes is not available fused.
 
+``fused=True, defer=True`` saves one all-to-all per step: a backward does not
+push its gradient rows at once; they travel in the next lookup round's
+request, and the owner applies the update before that round serves any row.
+Every lookup therefore sees every earlier update, and training is exactly the
+same as with ``defer=False``; only when the shard itself changes moves: the
+last backward's update lands at the next lookup, at
+``sparsecomm.sharded.flush(model)`` or at ``sparsecomm.sharded.save``/``load``
+(collectives that push it). Call ``flush(model)`` before reading
+``local_weight`` or the optimizer's ``state_dict()`` yourself. Tables with
+replicated hot rows, and rounds whose next request was prefetched, push at
+once.
+
 These are ``torch.optim.Optimizer`` subclasses: ``param_groups[i]["lr"]`` is
 the learning rate, so torch's LR schedulers drive them, and
 ``state_dict()``/``load_state_dict()`` work (for the same world size; the
@@ -94,13 +106,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ``local_weight`` tensors, or param-group dicts of those.
         defaults: hyperparameters, as ``torch.optim.Optimizer``.
         fused: update in backward, as the gradient arrives (see the module docstring).
+        defer: with ``fused``, push a backward's gradient with the next lookup's request, one all-to-all
+            fewer per step (see the module docstring).
     """
 
     #: Names of the row-aligned state tensors (resharded with the rows).
     row_state_names: Tuple[str, ...] = ()
 
-    def __init__(self, params: ParamsT, defaults: Dict[str, Any], fused: bool = False) -> None:
+    def __init__(self, params: ParamsT, defaults: Dict[str, Any], fused: bool = False, defer: bool = False
+                 ) -> None:
+        if defer and not fused:
+            raise ValueError("defer=True needs fused=True: an unfused optimizer's step() needs the gradient at once")
         self.fused = bool(fused)
+        self.defer = bool(defer)
         # Strong references: the tables live as long as their optimizer does.
         self._tables: Dict[int, _ShardedTable] = {}
         if isinstance(params, nn.Module):
@@ -267,12 +285,13 @@ class ShardedSGD(ShardedOptimizer):
         params: see :class:`ShardedOptimizer`.
         lr: learning rate.
         fused: update in backward (see the module docstring).
+        defer: with ``fused``, push the gradient with the next lookup (see the module docstring).
     """
 
-    def __init__(self, params: ParamsT, lr: float = 1e-3, fused: bool = False) -> None:
+    def __init__(self, params: ParamsT, lr: float = 1e-3, fused: bool = False, defer: bool = False) -> None:
         if lr < 0:
             raise ValueError(f"invalid learning rate {lr}")
-        super().__init__(params, dict(lr=lr), fused)
+        super().__init__(params, dict(lr=lr), fused, defer)
 
     def _update(self, group, p, state, slots, grad):
         _add_rows(p, slots, grad * -group["lr"])
@@ -287,17 +306,19 @@ class ShardedAdagrad(ShardedOptimizer):
         rowwise: one accumulator per row (mean of the squared gradient over
             the row) instead of one per element: ``d`` times less state.
         fused: update in backward (see the module docstring).
+        defer: with ``fused``, push the gradient with the next lookup (see the module docstring).
     """
 
     def __init__(self, params: ParamsT, lr: float = 1e-2, lr_decay: float = 0.0, eps: float = 1e-10,
-                 initial_accumulator_value: float = 0.0, rowwise: bool = False, fused: bool = False) -> None:
+                 initial_accumulator_value: float = 0.0, rowwise: bool = False, fused: bool = False,
+                 defer: bool = False) -> None:
         for name, v in (("lr", lr), ("lr_decay", lr_decay), ("eps", eps),
                         ("initial_accumulator_value", initial_accumulator_value)):
             if v < 0:
                 raise ValueError(f"invalid {name} {v}")
         self.rowwise = rowwise
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, eps=eps,
-                                      initial_accumulator_value=initial_accumulator_value), fused)
+                                      initial_accumulator_value=initial_accumulator_value), fused, defer)
 
     row_state_names = ("sum",)
 
@@ -331,17 +352,18 @@ class ShardedAdam(ShardedOptimizer):
         params: see :class:`ShardedOptimizer`.
         lr, betas, eps: as ``torch.optim.SparseAdam``.
         fused: update in backward (see the module docstring).
+        defer: with ``fused``, push the gradient with the next lookup (see the module docstring).
     """
 
     row_state_names = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, fused: bool = False) -> None:
+                 eps: float = 1e-8, fused: bool = False, defer: bool = False) -> None:
         if lr < 0 or eps < 0:
             raise ValueError(f"invalid lr {lr} or eps {eps}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"invalid betas {betas}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps), fused)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps), fused, defer)
 
     def _init_state(self, p, group):
         return {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}

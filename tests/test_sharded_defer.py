@@ -1,0 +1,233 @@
+"""Deferred gradient pushes (``fused=True, defer=True``): the same training with one all-to-all fewer a step.
+
+A deferred backward keeps its gradient rows until the next round's request
+carries them; the owner applies them before serving that round. Every case
+compares against the same fused optimizer without ``defer`` bitwise (the same
+rule applied to the same coalesced gradient, in the same order), and the
+single-process reference of ``test_sharded_pooling`` covers the fused path
+itself. World sizes 1-3 with skewed batches, an empty rank and empty bags.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import sparsecomm.sharded as sh
+
+from distributed import run_cases, run_ranks
+from test_sharded_pooling import STEPS, V, D, batch, check, initial, reference
+
+WORLDS = (1, 2, 3)
+OPTS = {"sgd": lambda t, d: sh.ShardedSGD(t, lr=0.3, fused=True, defer=d),
+        "rowwise": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, rowwise=True, fused=True, defer=d),
+        "adagrad": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, fused=True, defer=d),
+        "adam": lambda t, d: sh.ShardedAdam(t, lr=0.1, fused=True, defer=d)}
+
+
+def table(pooling="always", mode="sum"):
+    return sh.ShardedEmbeddingBag(V, D, mode=mode, owner_pooling=pooling, _weight=initial(torch.float64),
+                                  dtype=torch.float64, seed=0)
+
+
+def loop(rank, defer, opt="rowwise", pooling="always", two_tables=False, eval_between=False, steps=STEPS):
+    """Train one table (or two grouped ones); outputs per step, and the model and its optimizers."""
+    tables = [table(pooling) for _ in range(2 if two_tables else 1)]
+    model = nn.Module()
+    for i, t in enumerate(tables):
+        setattr(model, f"t{i}", t)
+    if two_tables:
+        sh.group_tables(model)
+    opts = [OPTS[opt](t, defer) for t in tables]
+    outs = []
+    for step in range(steps):
+        ids, offsets, psw, w = batch(rank, step, torch.float64, True)
+        out = sum(t(ids, offsets, psw) for t in tables)
+        (out * w).sum().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        outs.append(out.detach())
+        if eval_between:  # a lookup without gradient: it carries the pending rows and sees the update
+            with torch.no_grad():
+                outs.append(sum(t(ids, offsets) for t in tables))
+    return outs, model, opts
+
+
+def weights(model):
+    sh.flush(model)
+    return [t.local_weight.detach().clone() for _, t in sorted(model.named_children())]
+
+
+def same(a, b, what):
+    assert len(a) == len(b), what
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"{what}: tensor {i} differs by {(x - y).abs().max():.3g}"
+
+
+def case_defer_equals_fused(rank, world):
+    """Every rule, both paths, one table and two grouped, with lookups between steps: bitwise as without defer."""
+    for opt in ("sgd", "rowwise", "adagrad", "adam"):
+        for pooling in ("always", "never", "auto"):
+            for two in (False, True):
+                plain = loop(rank, False, opt, pooling, two, eval_between=two)
+                late = loop(rank, True, opt, pooling, two, eval_between=two)
+                what = f"{opt} {pooling} two={two}"
+                same(plain[0], late[0], what + " outputs")
+                same(weights(plain[1]), weights(late[1]), what + " tables")
+                for a, b in zip(plain[2], late[2]):
+                    pa, pb = a.param_groups[0]["params"][0], b.param_groups[0]["params"][0]
+                    assert a.state[pa]["step"] == b.state[pb]["step"] == STEPS, what
+    # And like one process training on every rank's batch.
+    got = loop(rank, True, "adagrad", "always")
+    want = reference(rank, world, torch.float64, "sum", psw=True, opt="adagrad", long_bags=True)
+    full = got[1].t0.full_weight()
+    check((got[0], full), want, torch.float64, "defer vs single process")
+    return True
+
+
+def case_one_all_to_all_fewer(rank, world):
+    """A deferred step runs two all-to-alls (request with the gradient, pull), not three."""
+    if world == 1:
+        return True
+    counts = {}
+    real = dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        counts["n"] = counts.get("n", 0) + 1
+        return real(*args, **kwargs)
+
+    per_step = {}
+    for defer in (False, True):
+        t = table("always")
+        o = OPTS["rowwise"](t, defer)
+        ids, offsets, psw, w = batch(rank, 0, torch.float64, True)
+        for _ in range(3):  # warm-up: the request's width is learned on the first rounds
+            (t(ids, offsets, psw) * w).sum().backward()
+            o.step()
+        dist.all_to_all_single = counting
+        try:
+            counts["n"] = 0
+            for _ in range(4):
+                (t(ids, offsets, psw) * w).sum().backward()
+                o.step()
+            per_step[defer] = counts["n"] / 4
+        finally:
+            dist.all_to_all_single = real
+        sh.flush(t)
+    assert per_step == {False: 3, True: 2}, per_step
+    return True
+
+
+def case_save_load_and_prefetch(rank, world, directory):
+    """save/load push a pending gradient first; a prefetch pushes it before its request starts."""
+    plain = loop(rank, False, "rowwise")
+    late = loop(rank, True, "rowwise")
+    sh.save(directory, late[1], late[2][0])  # the last backward's update is still pending here
+    fresh = nn.Module()
+    fresh.t0 = table()
+    opt = OPTS["rowwise"](fresh.t0, True)
+    sh.load(directory, fresh, opt)
+    same(weights(plain[1]), weights(fresh), "saved after a deferred backward")
+    p0, p1 = plain[2][0].param_groups[0]["params"][0], opt.param_groups[0]["params"][0]
+    assert torch.equal(plain[2][0].state[p0]["sum"], opt.state[p1]["sum"])
+    # Prefetched lookups: the prefetch pushes the pending gradient, then rounds push in backward.
+    t = table("always")
+    o = OPTS["rowwise"](t, True)
+    batches = [batch(rank, step, torch.float64, True) for step in range(STEPS)]
+    outs = []
+    for step in range(STEPS):
+        ids, offsets, psw, w = batches[step]
+        out = t(ids, offsets, psw) if step % 2 == 0 else t(t.prefetch(ids, offsets, psw))
+        (out * w).sum().backward()
+        o.step()
+        outs.append(out.detach())
+    same(plain[0], outs, "mixed prefetched and deferred lookups")
+    same(weights(plain[1]), weights(_holder(t)), "mixed prefetched and deferred lookups, tables")
+    return True
+
+
+def _holder(t):
+    m = nn.Module()
+    m.t0 = t
+    return m
+
+
+def case_bad_request_keeps_the_update(rank, world):
+    """A bad id in the round that carries the gradient raises on every rank; the update still lands."""
+    plain, late = table(), table()
+    po, lo = OPTS["rowwise"](plain, False), OPTS["rowwise"](late, True)
+    ids, offsets, psw, w = batch(rank, 0, torch.float64, True)
+    for t, o in ((plain, po), (late, lo)):
+        (t(ids, offsets, psw) * w).sum().backward()
+        o.step()
+    bad = torch.tensor([V + 5 if rank == 0 else 1])
+    try:
+        late(bad, torch.tensor([0]))
+    except ValueError as e:
+        assert "outside" in str(e) or "rank 0" in str(e), e
+    else:
+        raise AssertionError("an id outside the table must raise on every rank")
+    same([plain.local_weight.detach()], [late.local_weight.detach()], "update applied despite the bad round")
+    # And the table keeps training.
+    for t, o in ((plain, po), (late, lo)):
+        (t(ids, offsets, psw) * w).sum().backward()
+        o.step()
+    same(weights(_holder(plain)), weights(_holder(late)), "after the bad round")
+    return True
+
+
+def _worker(rank, world, directory):
+    return run_cases(rank, world, (("equal", case_defer_equals_fused, ()),
+                                   ("fewer", case_one_all_to_all_fewer, ()),
+                                   ("checkpoint", case_save_load_and_prefetch, (directory,)),
+                                   ("bad", case_bad_request_keeps_the_update, ())))
+
+
+@functools.lru_cache(maxsize=None)
+def runs(world):
+    directory = tempfile.mkdtemp(prefix=f"sparsecomm-defer-{world}-")
+    return run_ranks(world, _worker, directory, join_timeout_s=240)
+
+
+WORLD_PARAMS = [pytest.param(w, marks=pytest.mark.slow) if w == 3 else w for w in WORLDS[1:]]
+
+
+def test_defer_needs_fused():
+    with pytest.raises(ValueError, match="fused"):
+        sh.ShardedAdagrad(table(), lr=0.1, defer=True)
+
+
+def test_in_one_process_deferred_pushes_train_like_fused_ones():
+    assert case_defer_equals_fused(0, 1)
+    assert case_bad_request_keeps_the_update(0, 1)
+
+
+def test_in_one_process_save_load_and_prefetch_push_a_pending_gradient(tmp_path):
+    assert case_save_load_and_prefetch(0, 1, str(tmp_path))
+
+
+@pytest.mark.parametrize("world", WORLD_PARAMS)
+def test_deferred_pushes_train_like_fused_ones(world):
+    assert all(runs(world)[r]["equal"] for r in range(world))
+
+
+@pytest.mark.parametrize("world", WORLD_PARAMS)
+def test_a_deferred_step_runs_one_all_to_all_fewer(world):
+    assert all(runs(world)[r]["fewer"] for r in range(world))
+
+
+@pytest.mark.parametrize("world", WORLD_PARAMS)
+def test_save_load_and_prefetch_push_a_pending_gradient(world):
+    assert all(runs(world)[r]["checkpoint"] for r in range(world))
+
+
+@pytest.mark.parametrize("world", WORLD_PARAMS)
+def test_a_bad_round_raises_everywhere_and_keeps_the_deferred_update(world):
+    assert all(runs(world)[r]["bad"] for r in range(world))
