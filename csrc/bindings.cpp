@@ -207,6 +207,17 @@ PYBIND11_MODULE(_C, m) {
         py::arg("index"), py::arg("n"), py::arg("size"), py::arg("order"), py::arg("offsets"), py::arg("threads"),
         "Stable counting sort of int64 positions by index in [0, size): order (n) and group starts (size).");
 
+  m.def("bag_groups",
+        [](uintptr_t key, int64_t r, uintptr_t positions, int64_t n, uintptr_t lengths, int64_t num_bags,
+           int64_t size, uintptr_t order, uintptr_t rows, uintptr_t offsets, int threads) {
+          py::gil_scoped_release release;
+          bag_groups(ptr<const int64_t>(key), r, ptr<const int64_t>(positions), n, ptr<const int64_t>(lengths),
+                     num_bags, size, ptr<int64_t>(order), ptr<int64_t>(rows), ptr<int64_t>(offsets), threads);
+        },
+        py::arg("key"), py::arg("r"), py::arg("positions"), py::arg("n"), py::arg("lengths"), py::arg("num_bags"),
+        py::arg("size"), py::arg("order"), py::arg("rows"), py::arg("offsets"), py::arg("threads"),
+        "Owner-side backward plan of pooled lookups: occurrences grouped by key[positions] (stable), their bags.");
+
   m.def("unique_inverse",
         [](uintptr_t ids, int64_t n, int64_t num_rows, uintptr_t inverse, int threads) {
           auto lists = std::make_unique<PooledLists>();

@@ -109,6 +109,13 @@ void rowwise_adagrad(void* weight, void* acc, int64_t num_rows, ValueType vt, in
 // offsets (size) = where each group starts (cumsum(bincount) - bincount).
 void group_by(const int64_t* index, int64_t n, int64_t size, int64_t* order, int64_t* offsets, int threads);
 
+// The owner's backward plan of pooled lookups: occurrence i (bag b(i): lengths are consecutive runs of the
+// n occurrences) points at requested id positions[i] (in [0, r)), whose group is key[positions[i]] (in
+// [0, size)). order (n) = argsort(key[positions], stable=True), rows (n) = b(order), offsets (size) = where
+// each group starts: group g's gradient is the sum of the bag gradients rows[offsets[g]:...].
+void bag_groups(const int64_t* key, int64_t r, const int64_t* positions, int64_t n, const int64_t* lengths,
+                int64_t num_bags, int64_t size, int64_t* order, int64_t* rows, int64_t* offsets, int threads);
+
 // torch.unique(ids, sorted=True, return_inverse=True): the distinct ids ascending, and each id's index among
 // them (inverse, n). num_rows < 0: no upper bound.
 void unique_inverse(const int64_t* ids, int64_t n, int64_t num_rows, std::vector<int64_t>& unique,

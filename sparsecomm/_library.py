@@ -28,6 +28,8 @@ Ops (values are 2-D ``(n, d)`` here; ``num_rows < 0`` means no upper bound):
   -> (unique_ids, sums)``: coalesce rows straight out of a receive buffer,
   ``segments`` flat ``[count, id_byte_offset, value_byte_offset] * nseg``.
 - ``group_by(index, size) -> (order, offsets)``: a stable counting sort.
+- ``bag_groups(key, positions, lengths, size) -> (order, rows, offsets)``: the owner's backward plan of
+  pooled lookups (occurrences grouped by ``key[positions]``, with their bags).
 - ``unique_inverse(ids, num_rows) -> (unique, inverse)``: ``torch.unique(sorted, return_inverse)``.
 - ``pooled_request(ids, bag_of, num_rows, num_owners, scheme, range_size, stride, num_bags)
   -> (unique, unique_counts, order, occ_counts, positions, bag_rows, lengths, bag_counts)``: owner
@@ -337,6 +339,24 @@ def group_by_torch(index: Tensor, size: int) -> Tuple[Tensor, Tensor]:
     return order, torch.cumsum(count, 0) - count
 
 
+def bag_groups_torch(key: Tensor, positions: Tensor, lengths: Tensor, size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """``order = argsort(key[positions], stable=True)``, ``rows = repeat_interleave(arange(B), lengths)[order]``
+    and the groups' starts (``cumsum(bincount) - bincount``)."""
+    _check_cuda_ids(key, size, "key")
+    _check_cuda_ids(positions, key.shape[0], "positions")
+    if lengths.numel() and (int(lengths.min()) < 0 or int(lengths.sum()) != positions.shape[0]):
+        raise ValueError(f"sparsecomm: bag_groups: lengths must be >= 0 and add up to the {positions.shape[0]} "
+                         f"positions")
+    if not lengths.numel() and positions.numel():
+        raise ValueError(f"sparsecomm: bag_groups: lengths add up to 0, not the {positions.shape[0]} positions")
+    group = key[positions]
+    order = torch.argsort(group, stable=True)
+    bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), device=key.device), lengths,
+                                     output_size=positions.shape[0])
+    count = torch.bincount(group, minlength=size)
+    return order, bag_of[order], torch.cumsum(count, 0) - count
+
+
 def unique_inverse_torch(ids: Tensor, num_rows: int) -> Tuple[Tensor, Tensor]:
     """``torch.unique(ids, sorted=True, return_inverse=True)``."""
     _check_cuda_ids(ids, num_rows)
@@ -392,6 +412,27 @@ group_by.register_kernel("cuda")(group_by_torch)
 @group_by.register_fake
 def _(index: Tensor, size: int) -> Tuple[Tensor, Tensor]:
     return index.new_empty(index.shape[0], dtype=torch.int64), index.new_empty(size, dtype=torch.int64)
+
+
+@torch.library.custom_op("sparsecomm::bag_groups", mutates_args=(), device_types="cpu")
+def bag_groups(key: Tensor, positions: Tensor, lengths: Tensor, size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    n = positions.shape[0]
+    order = torch.empty(n, dtype=torch.int64)
+    rows = torch.empty(n, dtype=torch.int64)
+    offsets = torch.empty(size, dtype=torch.int64)
+    _C.bag_groups(key.data_ptr(), key.shape[0], positions.data_ptr(), n, lengths.data_ptr(), lengths.shape[0], size,
+                  order.data_ptr(), rows.data_ptr(), offsets.data_ptr(), _threads(n * 8))
+    return order, rows, offsets
+
+
+bag_groups.register_kernel("cuda")(bag_groups_torch)
+
+
+@bag_groups.register_fake
+def _(key: Tensor, positions: Tensor, lengths: Tensor, size: int) -> Tuple[Tensor, Tensor, Tensor]:
+    n = positions.shape[0]
+    return (positions.new_empty(n, dtype=torch.int64), positions.new_empty(n, dtype=torch.int64),
+            positions.new_empty(size, dtype=torch.int64))
 
 
 @torch.library.custom_op("sparsecomm::unique_inverse", mutates_args=(), device_types="cpu")

@@ -39,6 +39,7 @@ __all__ = [
     "rowwise_adagrad_",
     "PooledPlan",
     "group_by",
+    "bag_groups",
     "unique_inverse",
     "pooled_request",
 ]
@@ -447,6 +448,45 @@ def group_by(index: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor
     """
     _check_int64_ids(index, "index")
     return _run("group_by", index, _check_size(size, "size"))
+
+
+def bag_groups(key: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, size: int
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The owner's backward plan of pooled lookups, in one counting sort.
+
+    Occurrence ``i`` belongs to a bag (``lengths``: consecutive runs of the
+    occurrences) and points at ``positions[i]`` among the requested ids, whose
+    group (the distinct row it adds its gradient to) is ``key[positions[i]]``.
+    Exactly::
+
+        group = key[positions]
+        order = torch.argsort(group, stable=True)
+        rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)[order]
+        offsets = cumsum(count) - count, count = torch.bincount(group, minlength=size)
+
+    so ``F.embedding_bag(rows, bag_grads, offsets, per_sample_weights=w[order])``
+    is every group's gradient, summed in input order.
+
+    Args:
+        key: ``(r,)`` int64 group of each requested id, in ``[0, size)``.
+        positions: ``(n,)`` int64 requested-id index of each occurrence, in ``[0, r)``.
+        lengths: ``(num_bags,)`` int64 occurrences per bag, ``>= 0``, adding up to ``n``.
+        size: the number of groups.
+
+    Returns:
+        ``(order, rows, offsets)``: ``(n,)``, ``(n,)`` and ``(size,)`` int64.
+
+    Raises:
+        TypeError, ValueError: bad types or shapes, a key or position out of
+            range, or lengths that do not add up (named).
+    """
+    _check_int64_ids(key, "key")
+    _check_int64_ids(positions, "positions")
+    _check_int64_ids(lengths, "lengths")
+    for t, name in ((positions, "positions"), (lengths, "lengths")):
+        if t.device != key.device:
+            raise ValueError(f"{name} is on {t.device} but key is on {key.device}")
+    return _run("bag_groups", key, positions, lengths, _check_size(size, "size"))
 
 
 def unique_inverse(ids: torch.Tensor, num_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ def test_tiny_run_is_correct_and_exits_0(capsys):
     assert kernels.run(TINY) == 0
     out = capsys.readouterr()
     assert "copy bandwidth" in out.out and "WRONG" not in out.out
-    assert "(9/9)" in out.err  # progress, one line per op
+    assert "(10/10)" in out.err  # progress, one line per op
 
 
 def test_a_wrong_kernel_makes_the_run_exit_3(monkeypatch, capsys):

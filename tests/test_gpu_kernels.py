@@ -325,7 +325,7 @@ def test_gather_gradient_and_compile_on_cuda():
 
 
 def test_index_ops_match_cpu():
-    """group_by, unique_inverse and pooled_request (torch code on CUDA) give the CPU kernels' results."""
+    """group_by, bag_groups, unique_inverse and pooled_request (torch code on CUDA) give the CPU kernels' results."""
     ids = zipf_ids(5000, NUM_ROWS, seed=3)
     uniq, inv = ops.unique_inverse(ids, NUM_ROWS)
     got = ops.unique_inverse(ids.to(CUDA), NUM_ROWS)
@@ -333,6 +333,11 @@ def test_index_ops_match_cpu():
     order, offsets = ops.group_by(inv, uniq.numel())
     got = ops.group_by(inv.to(CUDA), uniq.numel())
     assert torch.equal(got[0].cpu(), order) and torch.equal(got[1].cpu(), offsets)
+    positions = torch.randint(0, ids.numel(), (3000,), generator=torch.Generator().manual_seed(4))
+    lengths = torch.full((150,), 20)
+    want = ops.bag_groups(inv, positions, lengths, uniq.numel())
+    got = ops.bag_groups(inv.to(CUDA), positions.to(CUDA), lengths.to(CUDA), uniq.numel())
+    assert all(b.device.type == "cuda" and torch.equal(b.cpu(), a) for a, b in zip(want, got))
     bag_of = torch.arange(ids.numel()) // 20
     for scheme in ("hash", "range"):
         want = ops.pooled_request(ids, bag_of, 3, scheme, NUM_ROWS, num_bags=250)

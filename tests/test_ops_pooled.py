@@ -1,4 +1,4 @@
-"""Owner pooling's index kernels (ops.group_by, ops.unique_inverse, ops.pooled_request) against torch.
+"""Owner pooling's index kernels (ops.group_by, ops.bag_groups, ops.unique_inverse, ops.pooled_request) against torch.
 
 Every output must equal the torch reference exactly (values and dtypes): the references below are the torch
 ops the kernels replace, written as sparsecomm/sharded/lookup.py computes them. The registered CUDA kernels
@@ -23,6 +23,14 @@ def ref_group_by(index, size):
     order = torch.argsort(index, stable=True)
     count = torch.bincount(index, minlength=size)
     return order, torch.cumsum(count, 0) - count
+
+
+def ref_bag_groups(key, positions, lengths, size):
+    group = key[positions]
+    order = torch.argsort(group, stable=True)
+    bag_of = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    count = torch.bincount(group, minlength=size)
+    return order, bag_of[order], torch.cumsum(count, 0) - count
 
 
 def ref_unique_inverse(ids):
@@ -104,6 +112,58 @@ def test_group_by_refuses_bad_input():
         ops.group_by(torch.tensor([0], dtype=torch.int32), 1)
     with pytest.raises(ValueError, match="1-D"):
         ops.group_by(torch.zeros(2, 2, dtype=torch.int64), 1)
+
+
+# ---------------------------------------------------------------- bag_groups
+
+
+def _lengths(n, bags, seed):
+    """``bags`` run lengths (some empty) adding up to ``n``."""
+    cuts = torch.sort(torch.randint(0, n + 1, (max(bags - 1, 0),), generator=_gen(seed))).values
+    bounds = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([n])])
+    return bounds[1:] - bounds[:-1] if bags else torch.empty(0, dtype=torch.int64)
+
+
+def _bag_case(r, size, n, bags, seed):
+    key = torch.randint(0, size, (r,), generator=_gen(seed)) if r else torch.empty(0, dtype=torch.int64)
+    positions = torch.randint(0, r, (n,), generator=_gen(seed + 1)) if n else torch.empty(0, dtype=torch.int64)
+    return key, positions, _lengths(n, bags, seed + 2), size
+
+
+BAG_CASES = {
+    "lookup": lambda: _bag_case(12_000, 9_000, 40_960, 2048, 5),   # 2 requesters' bags of 20 at one owner
+    "few_groups": lambda: _bag_case(500, 3, 5000, 100, 6),
+    "many_groups": lambda: _bag_case(50, 10_000, 60, 7, 7),
+    "empty": lambda: _bag_case(0, 0, 0, 0, 8),
+    "no_occurrences": lambda: _bag_case(10, 4, 0, 3, 9),
+    "one_bag": lambda: _bag_case(30, 30, 100, 1, 10),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAG_CASES))
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_bag_groups_equals_argsort_and_repeat_interleave(case, nthreads):
+    key, positions, lengths, size = BAG_CASES[case]()
+    with threads(nthreads):
+        got = ops.bag_groups(key, positions, lengths, size)
+    assert_same(got, ref_bag_groups(key, positions, lengths, size))
+    assert_same(_library.bag_groups_torch(key, positions, lengths, size), ref_bag_groups(key, positions, lengths, size))
+
+
+def test_bag_groups_refuses_bad_input():
+    key, one = torch.tensor([0, 2]), torch.tensor([1])
+    with pytest.raises(ValueError, match="key contains id 2 outside"):
+        ops.bag_groups(key, torch.tensor([0]), one, 2)
+    with pytest.raises(ValueError, match="positions contains id 2 outside"):
+        ops.bag_groups(key, torch.tensor([2]), one, 3)
+    with pytest.raises(ValueError, match="add up to 1, not the 2"):
+        ops.bag_groups(key, torch.tensor([0, 1]), one, 3)
+    with pytest.raises(ValueError, match="bag 0 has -1"):
+        ops.bag_groups(key, torch.tensor([0]), torch.tensor([-1, 2]), 3)
+    with pytest.raises(ValueError, match="size must be >= 0"):
+        ops.bag_groups(key, torch.tensor([0]), one, -1)
+    with pytest.raises(TypeError, match="int64"):
+        ops.bag_groups(key, torch.tensor([0], dtype=torch.int32), one, 3)
 
 
 # ------------------------------------------------------------ unique_inverse
@@ -258,6 +318,7 @@ def _opcheck_cases():
     ids = torch.tensor([3, 1, 3, 0, 7])
     return [
         ("group_by", (torch.tensor([2, 0, 2, 1]), 4)),
+        ("bag_groups", (torch.tensor([2, 0, 1]), torch.tensor([0, 2, 1, 0, 2]), torch.tensor([2, 0, 3]), 3)),
         ("unique_inverse", (ids, 10)),
         ("pooled_request", (ids, torch.tensor([0, 0, 1, 3, 3]), 10, 2, 0, 1, 1, 4)),
         ("pooled_request", (ids, torch.tensor([0, 0, 1, 3, 3]), 10, 3, 1, 4, 1, -1)),
@@ -270,7 +331,7 @@ def test_pooled_ops_pass_opcheck(name, args):
 
 
 def test_pooled_ops_have_a_cpu_kernel_a_cuda_kernel_and_a_fake():
-    for name in ("group_by", "unique_inverse", "pooled_request"):
+    for name in ("group_by", "bag_groups", "unique_inverse", "pooled_request"):
         op = getattr(torch.ops.sparsecomm, name).default
         for key in ("CPU", "CUDA", "Meta"):
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key), (name, key)

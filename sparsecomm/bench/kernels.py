@@ -11,7 +11,7 @@ sums against a float64 reference within the worst-case error of recursive
 summation in the values' dtype, ``gamma(m) * sum|x|`` with
 ``gamma(m) = m u / (1 - m u)`` for a row of ``m`` terms (``u`` the unit
 roundoff), which holds for any summation order. Owner pooling's index kernels
-(group_by, unique_inverse, pooled_request: 2 owners by range, bags of 20 ids)
+(group_by, bag_groups, unique_inverse, pooled_request: 2 owners by range, bags of 20 ids)
 must equal the torch ops they replace exactly, every output and its dtype.
 The run exits with status 3 if any result is wrong (0 otherwise).
 """
@@ -241,6 +241,15 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
 
     ref_pooled = torch_pooled()
     partial_bags = ref_pooled[5].numel()
+    # The owner's backward plan: every id an occurrence in a bag of POOL_BAG, pointing at a requested id
+    # (drawn) whose group is its distinct row.
+    bg_positions = torch.randint(0, max(a.n, 1), (a.n,), generator=torch.Generator().manual_seed(11)).to(dev)
+    bg_lengths = torch.bincount(bag_of, minlength=num_bags)
+
+    def torch_bag_groups():
+        return _library.bag_groups_torch(inv, bg_positions, bg_lengths, u)
+
+    ref_bag_groups = torch_bag_groups()
 
     groups = [
         ("coalesce", a.n * (ids.element_size() + row) + u * (ids.element_size() + row), [
@@ -277,6 +286,12 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         ("group_by", 8 * (2 * a.n + u), [
             Contender("sparsecomm", lambda: ops.group_by(inv, u), lambda r: count_unequal(r, ref_group_by)),
             Contender("torch argsort(stable)+bincount", torch_group_by, lambda r: count_unequal(r, ref_group_by)),
+        ]),
+        (f"bag_groups(bags of {POOL_BAG})", 8 * (5 * a.n + u), [
+            Contender("sparsecomm", lambda: ops.bag_groups(inv, bg_positions, bg_lengths, u),
+                      lambda r: count_unequal(r, ref_bag_groups)),
+            Contender("torch gather+argsort+repeat_interleave", torch_bag_groups,
+                      lambda r: count_unequal(r, ref_bag_groups)),
         ]),
         ("unique_inverse", 8 * (2 * a.n + u), [
             Contender("sparsecomm", lambda: ops.unique_inverse(ids, a.rows),

@@ -553,38 +553,36 @@ class TableSet:
         info.grad_slots, info.grad_ids = slots, requested
         if all(p is None for p in parts):
             return ops.gather_rows(weight, slots)
-        # Some requesters pool: per requester, its rows, or one partial bag per bag it sent. Backward adds
-        # each gradient row (times the weight) into the coalesced gradient of the distinct slots asked for.
+        # Some requesters pool: per requester, one partial bag per bag it sent, or (rows path) each id as a bag
+        # of its own; all of them in one embedding_bag. Backward adds each gradient row (times the weight) into
+        # the coalesced gradient of the distinct slots asked for.
         info.grad_slots, where = ops.unique_inverse(slots, max(t.layout.num_local, 1))
         info.grad_ids = torch.empty_like(info.grad_slots).index_copy_(0, where, requested)
-        pieces, targets, sources, scales = [], [], [], []
-        start = base = 0
+        dev = weight.device
         any_weights = any(p is not None and p.weights is not None for p in parts)
+        positions, lengths, scales = [], [], []
+        start = 0
         for p, count in zip(parts, routes.recv[i]):
-            s_slots, s_where = slots[start:start + count], where[start:start + count]
-            start += count
             if p is None:
-                pieces.append(ops.gather_rows(weight, s_slots))
-                targets.append(s_where)
-                sources.append(torch.arange(base, base + count, device=weight.device))
-                scales.append(weight.new_ones(count) if any_weights else None)
-                base += count
-                continue
-            bags = p.lengths.numel()
-            pieces.append(F.embedding_bag(s_slots[p.positions], weight, torch.cumsum(p.lengths, 0) - p.lengths,
-                                          mode="sum", per_sample_weights=p.weights))
-            targets.append(s_where[p.positions])
-            sources.append(base + torch.repeat_interleave(torch.arange(bags, device=weight.device), p.lengths))
-            scales.append((p.weights if p.weights is not None else weight.new_ones(p.positions.numel()))
-                          if any_weights else None)
-            base += bags
-        # Backward sums, per distinct slot, its occurrences' gradient rows: with the occurrences sorted by slot
-        # (stable: input order inside a slot), that is an embedding_bag over the few gradient rows.
-        targets = torch.cat(targets)
-        order, info.grad_offsets = ops.group_by(targets, info.grad_slots.numel())
-        info.grad_rows = torch.cat(sources)[order]
-        info.grad_scale = torch.cat(scales)[order] if any_weights else None
-        return torch.cat(pieces)
+                positions.append(torch.arange(start, start + count, device=dev))
+                lengths.append(torch.ones(count, dtype=torch.int64, device=dev))
+            else:
+                positions.append(p.positions + start)
+                lengths.append(p.lengths)
+            if any_weights:
+                scales.append(p.weights if p is not None and p.weights is not None else
+                              weight.new_ones(positions[-1].numel()))
+            start += count
+        positions, lengths = torch.cat(positions), torch.cat(lengths)
+        scale = torch.cat(scales) if any_weights else None
+        # Backward sums, per distinct slot, its occurrences' gradient rows in input order (one embedding_bag
+        # over the few gradient rows): ops.bag_groups sorts the occurrences by slot and names their bags.
+        order, info.grad_rows, info.grad_offsets = ops.bag_groups(where, positions, lengths, info.grad_slots.numel())
+        info.grad_scale = scale[order] if any_weights else None
+        if lengths.numel() == 0:
+            return weight.new_zeros(0, t.embedding_dim)
+        return F.embedding_bag(slots[positions], weight, torch.cumsum(lengths, 0) - lengths, mode="sum",
+                               per_sample_weights=scale)
 
     def _push(self, routes: Routes, tables: List[_Table], grads: Sequence[Optional[torch.Tensor]]
               ) -> List[Optional[torch.Tensor]]:
