@@ -13,6 +13,7 @@ counted in ``stats.bytes_copied``.
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -25,9 +26,43 @@ from sparsecomm.types import SparseSyncStats
 # torch >= 2.13 renames all_gather_into_tensor (which then warns) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-__all__ = ["all_gather_single", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes", "count_copied",
+__all__ = ["all_gather_single", "all_to_all", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes",
+           "count_copied",
            "wire_buffers", "wire_row_bytes", "all_to_all_rows", "exchange_counts", "Gathered", "Reduce",
            "exchange_tables", "push_to_owners", "allgather_rows"]
+
+
+# Per group, the work objects of its last few all-to-alls, referenced from Python after the calls returned.
+_PARKED: dict = {}
+_PARKED_CALLS = 8
+
+
+def all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[List[int]] = None,
+               send_splits: Optional[List[int]] = None, *, group: Optional[dist.ProcessGroup],
+               async_op: bool = False):
+    """``dist.all_to_all_single``; the work object stays referenced from Python for the group's next calls.
+
+    gloo's worker thread releases a finished collective after the caller's
+    wait returns, sometimes much later on a busy core; releasing the last
+    reference to the work releases its tensors, and a tensor's reference
+    count going down there takes the GIL (torch keeps a tensor's Python
+    object alive while C++ holds it). When the interpreter is already
+    finalizing, that aborts the process ("terminate called without an active
+    exception"; seen here at the exit of training loops whose last
+    collectives were all-to-alls, about 1 run in 5). Holding the work in
+    Python makes that last release happen on a Python thread: when the ring of
+    the last ``_PARKED_CALLS`` works moves on, or at module teardown. Every
+    all-to-all of the library goes through here.
+    """
+    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
+    parked = _PARKED.get(id(group))
+    if parked is None:
+        parked = _PARKED[id(group)] = collections.deque(maxlen=_PARKED_CALLS)
+    parked.append(work)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 class Gathered(NamedTuple):
@@ -169,7 +204,7 @@ def exchange_counts(send_counts: torch.Tensor, group: Optional[dist.ProcessGroup
     """All-to-all of one int64 per peer: how many rows each rank will send me."""
     n = dist.get_world_size(group)
     recv = torch.empty(n, dtype=torch.int64, device=device)
-    dist.all_to_all_single(recv, send_counts.to(device), group=group)
+    all_to_all(recv, send_counts.to(device), group=group)
     count_bytes(stats, [8] * n, [8] * n, dist.get_rank(group), peer_node)
     return recv.tolist()
 
@@ -277,7 +312,7 @@ def exchange_tables(blocks: Sequence[Sequence[Rows]], send_counts: Sequence[Sequ
             segments = [(starts[j], send_counts[b][j], s_off[b][i][j]) for j in range(n) if send_counts[b][j]]
             if segments:
                 count_copied(stats[b], _pack(send, t, segments))
-    dist.all_to_all_single(recv, send, r_bytes, s_bytes, group=group)
+    all_to_all(recv, send, r_bytes, s_bytes, group=group)
     out: List[List[torch.Tensor]] = []
     for b, block in enumerate(blocks):
         if reduce[b] is not None:

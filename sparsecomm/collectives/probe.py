@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sparsecomm.collectives.exchange import all_to_all
 from sparsecomm.collectives.groups import comm_device
 
 __all__ = ["measure_latency_bytes", "measure_link", "LinkProbe", "alltoall_host_link_bytes", "host_layout"]
@@ -75,7 +76,7 @@ def _time_alltoall(group, dev, n: int, nbytes: int, repeats: int) -> float:
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        dist.all_to_all_single(recv, send, group=group)
+        all_to_all(recv, send, group=group)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         if i:  # the first is a warm-up

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.exchange import (all_to_all_rows, allgather_rows, count_bytes, exchange_tables,
+from sparsecomm.collectives.exchange import (all_to_all, all_to_all_rows, allgather_rows, count_bytes, exchange_tables,
                                             wire_index_dtype, wire_row_bytes)
 from sparsecomm.collectives.groups import comm_device, twin_group
 from sparsecomm.types import SparseSyncStats
@@ -471,7 +471,7 @@ def start_request(requests: Sequence[TableRequest], *, status: int, detail: int,
         message_out = full[:, :width].contiguous().to(dev)   # kept in the pending request until the wait
         recv_meta = torch.empty_like(message_out)
         count_bytes(stats, [width * 8] * n, [width * 8] * n, me, None)
-        work = dist.all_to_all_single(recv_meta, message_out, group=group, async_op=True)
+        work = all_to_all(recv_meta, message_out, group=group, async_op=True)
     elif carry is not None:
         ones = [1] * n
         recv_meta, *got = _exchange_blocks([full[:, :width], *carry.rows], [ones, *carry.send],

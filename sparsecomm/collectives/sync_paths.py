@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
-from sparsecomm.collectives.exchange import (Gathered, Reduce, allgather_rows, count_bytes, count_copied,
+from sparsecomm.collectives.exchange import (Gathered, Reduce, all_to_all, allgather_rows, count_bytes, count_copied,
                                              exchange_tables, push_to_owners, wire_buffers, wire_row_bytes)
 from sparsecomm.collectives.groups import node_groups
 from sparsecomm.collectives.sync_plan import (ERR_OK, ERR_RANGE, Peers, Rows, SyncPlan, check_peers, meta_row,
@@ -65,7 +65,7 @@ def capped_allgather(tables: List[Rows], plan: SyncPlan
         offset += sv
     for j in range(1, n):
         send[j * size:(j + 1) * size].copy_(first)
-    dist.all_to_all_single(recv, send, group=plan.group)
+    all_to_all(recv, send, group=plan.group)
     got = recv.view(n, -1)[:, :hb].reshape(-1).view(torch.int64).view(n, len(tables), width).tolist()
     peers = [check_peers([got[r][i] for r in range(n)], t, plan) for i, t in enumerate(tables)]
     for t, p, cap, (wi, wv), (si, sv) in zip(tables, peers, caps, widths, spans):
@@ -160,7 +160,7 @@ def _pull(owned, errors, tables: List[Rows], peers: List[Peers], plan: SyncPlan
     mine = [ids.shape[0] if err == ERR_OK else -1 - err for (ids, _), err in zip(owned, errors)]
     send = torch.tensor(mine * n, dtype=torch.int64, device=plan.comm_device).view(n, -1)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=plan.group)
+    all_to_all(recv, send, group=plan.group)
     got = recv.tolist()
     for t in tables:
         count_bytes(t.stats, [8] * n, [8] * n, me, plan.peer_node)

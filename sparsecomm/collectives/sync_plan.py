@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from sparsecomm import ops
 from sparsecomm.collectives.dense import all_finite
-from sparsecomm.collectives.exchange import wire_index_dtype
+from sparsecomm.collectives.exchange import all_to_all, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device, env_local_world_size
 from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats, SyncMethod
 
@@ -257,7 +257,7 @@ def exchange_meta(tables: List[Rows], plan: SyncPlan) -> List[Peers]:
     recv = torch.empty_like(send)
     # all_to_all, not all_gather: on gloo a tiny all-gather costs several times
     # the latency of an all-to-all of the same bytes.
-    dist.all_to_all_single(recv, send, group=plan.group)
+    all_to_all(recv, send, group=plan.group)
     got = recv.view(n, len(tables), width).tolist()
     for i, t in enumerate(tables):
         t.stats.bytes_sent += 8 * width * (n - 1)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
-from sparsecomm.collectives.exchange import count_bytes
+from sparsecomm.collectives.exchange import all_to_all, count_bytes
 from sparsecomm.collectives.sync_plan import ERR_OK, ERR_RANGE, Peers, Rows, SyncPlan
 from sparsecomm.cost_model import tree_schedule
 from sparsecomm.types import ReduceOp
@@ -226,7 +226,7 @@ class _Link:
         plan, n = self.plan, self.plan.world_size
         send = torch.full((n,), err, dtype=torch.int64, device=self.dev)
         got = torch.empty_like(send)
-        dist.all_to_all_single(got, send, group=plan.group)
+        all_to_all(got, send, group=plan.group)
         for r in range(n):
             if r != plan.rank:
                 self.sent[r] += 8

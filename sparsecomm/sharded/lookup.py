@@ -279,8 +279,8 @@ class TableSet:
         self._pool_next: Dict[int, bool] = {}
         # A round whose id exchange started early (prefetch), waiting for its lookups.
         self._prefetched: Optional[Dict[str, Any]] = None
-        # Per table ("auto"): this rank's rounds and measured round time (microseconds, averaged), rows and pooled.
-        self._timing: Dict[int, List[float]] = {}
+        # Per table ("auto"): per path (rows, pooled), this rank's rounds and its last measured round times (us).
+        self._timing: Dict[int, Tuple[List[Any], List[Any]]] = {}
         # Per table with hot rows: the window (round number // window) in which it last chose its hot set.
         self._hot_epoch: Dict[int, int] = {}
         # Rounds whose backward may still run (gradient enabled, graph alive): while any is, hot sets stay
@@ -367,26 +367,30 @@ class TableSet:
         return None
 
     def _measured(self, t: Any) -> Tuple[int, int]:
-        """This rank's measured round time (microseconds) by rows and pooled, 0 where not measured yet."""
-        timing = self._timing.get(id(t), [0, 0.0, 0, 0.0])
-        return int(timing[1]), int(timing[3])
+        """This rank's measured round time (microseconds) by rows and pooled: the median of the last
+        ``MEASURED_ROUNDS`` rounds of the path, 0 until it has that many."""
+        timing = self._timing.get(id(t))
+        if timing is None:
+            return 0, 0
+        return tuple(int(sorted(us)[len(us) // 2]) if len(us) >= MEASURED_ROUNDS else 0  # type: ignore[return-value]
+                     for _, us in timing)
 
     def _record(self, tables: List[_Table], seconds: float) -> None:
-        """Average a finished lookup's time into the path each "auto" table took: the round (pull + push) and
+        """Add a finished lookup's time to the path each "auto" table took: the round (pull + push) and
         the requester's own work on the rows (pooling them and its backward, or adding the partial bags).
 
-        The first round of each path is not counted (it pays for first-touch buffers and warm-up).
+        The first round of each path is not counted (it pays for first-touch buffers and warm-up); a path's
+        time is the median of its last ``MEASURED_ROUNDS`` rounds, so one round slowed by the machine does
+        not decide.
         """
         for t, info in zip(self.tables, tables):
             if not info.timed:
                 continue
-            timing = self._timing.setdefault(id(t), [0, 0.0, 0, 0.0])   # rounds, us (rows); rounds, us (pooled)
-            at = 2 * int(info.pooled)
-            timing[at] += 1
-            if timing[at] >= 2:
+            path = self._timing.setdefault(id(t), ([0, []], [0, []]))[int(info.pooled)]
+            path[0] += 1
+            if path[0] >= 2:
                 own = info.finish_seconds + (info.row_bags.backward_seconds if info.row_bags is not None else 0.0)
-                us = max(1.0, (seconds + own) * 1e6)
-                timing[at + 1] = us if not timing[at + 1] else 0.5 * (timing[at + 1] + us)
+                path[1] = (path[1] + [max(1.0, (seconds + own) * 1e6)])[-MEASURED_ROUNDS:]
 
     def _request(self, state: Dict[str, Any], async_op: bool = False) -> None:
         """Build the round's requests and start its id exchange (in the background with ``async_op``)."""
@@ -720,6 +724,8 @@ def pool_rows(rows: torch.Tensor, inverse: torch.Tensor, bags: Bags, pad: Option
 
 # An "auto" table re-measures the path it is not taking every this many rounds.
 REMEASURE_ROUNDS = 64
+# An "auto" table's time for a path: the median of this many rounds of it (after one uncounted round).
+MEASURED_ROUNDS = 3
 
 
 def choose_pooling(choice: str, per_rank: Sequence[Tuple[int, int]], round: int) -> Optional[bool]:
@@ -734,7 +740,8 @@ def choose_pooling(choice: str, per_rank: Sequence[Tuple[int, int]], round: int)
 
     Every rank passes the same numbers, so every rank gets the same answer.
     ``"auto"`` first measures rows, then pooled (each path's first round is a
-    warm-up, not counted), then takes the faster summed over the ranks, and
+    warm-up, not counted; a path's time is the median of its last
+    ``MEASURED_ROUNDS`` rounds), then takes the faster summed over the ranks, and
     every ``REMEASURE_ROUNDS`` rounds takes the other path once so that a
     change in the workload or the machine is seen.
     """
