@@ -6,9 +6,10 @@
 // acc, gather acc, sqrt, divide, add into weight); this reads each gradient
 // row once and touches each weight row once. Rows are distinct, so threads
 // never share a row: no atomics, and the result does not depend on the
-// thread count. The mean sums a row's squares in order, which can differ
-// from torch's vectorized mean in the last bit; the element updates are the
-// same operations in the same order.
+// thread count. The mean sums a row's squares in eight interleaved running
+// sums (a fixed order, whatever the thread count), which can differ from
+// torch's vectorized mean in the last bit; the element updates are the same
+// operations in the same order.
 #include <cmath>
 
 #include "ops.h"
@@ -34,8 +35,14 @@ void rowwise_adagrad_rows(T* weight, T* acc, int64_t d, const int64_t* slots, in
     }
     const int64_t s = slots[i];
     const T* g = grad + i * d;
-    T sq = 0;
-    for (int64_t j = 0; j < d; ++j) sq += g[j] * g[j];
+    // Eight running sums (lanes j mod 8), added in a fixed tree: the compiler keeps them in vector registers,
+    // where one in-order sum waits on every add's latency (it was most of this kernel's time).
+    T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j0 = 0;
+    for (; j0 + 8 <= d; j0 += 8)
+      for (int u = 0; u < 8; ++u) part[u] += g[j0 + u] * g[j0 + u];
+    T sq = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    for (int64_t j = j0; j < d; ++j) sq += g[j] * g[j];
     const T a = acc[s] + sq / inv_d;
     acc[s] = a;
     const T std_dev = std::sqrt(a) + eps_t;

@@ -28,17 +28,19 @@ WORLDS = (1, 2, 3)
 OPTS = {"sgd": lambda t, d: sh.ShardedSGD(t, lr=0.3, fused=True, defer=d),
         "rowwise": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, rowwise=True, fused=True, defer=d),
         "adagrad": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, fused=True, defer=d),
-        "adam": lambda t, d: sh.ShardedAdam(t, lr=0.1, fused=True, defer=d)}
+        "adam": lambda t, d: sh.ShardedAdam(t, lr=0.1, fused=True, defer=d),
+        "rowwise_in_step": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, rowwise=True)}
 
 
-def table(pooling="always", mode="sum"):
+def table(pooling="always", mode="sum", reduction="mean"):
     return sh.ShardedEmbeddingBag(V, D, mode=mode, owner_pooling=pooling, _weight=initial(torch.float64),
-                                  dtype=torch.float64, seed=0)
+                                  dtype=torch.float64, seed=0, grad_reduction=reduction)
 
 
-def loop(rank, defer, opt="rowwise", pooling="always", two_tables=False, eval_between=False, steps=STEPS):
+def loop(rank, defer, opt="rowwise", pooling="always", two_tables=False, eval_between=False, steps=STEPS,
+         reduction="mean"):
     """Train one table (or two grouped ones); outputs per step, and the model and its optimizers."""
-    tables = [table(pooling) for _ in range(2 if two_tables else 1)]
+    tables = [table(pooling, reduction=reduction) for _ in range(2 if two_tables else 1)]
     model = nn.Module()
     for i, t in enumerate(tables):
         setattr(model, f"t{i}", t)
@@ -89,6 +91,18 @@ def case_defer_equals_fused(rank, world):
     want = reference(rank, world, torch.float64, "sum", psw=True, opt="adagrad", long_bags=True)
     full = got[1].t0.full_weight()
     check((got[0], full), want, torch.float64, "defer vs single process")
+    return True
+
+
+def case_summed_fused_like_step(rank, world):
+    """Summed gradients (TorchRec's rule), fused row-wise Adagrad, pooled or not, deferred or not: like the same
+    rule applied in step() to the sparse gradient."""
+    for pooling in ("always", "never"):
+        want = loop(rank, False, "rowwise_in_step", pooling, reduction="sum")
+        for defer in (False, True):
+            got = loop(rank, defer, "rowwise", pooling, reduction="sum")
+            for a, b in zip(got[0] + weights(got[1]), want[0] + weights(want[1])):
+                assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), f"{pooling} defer={defer}: {(a - b).abs().max()}"
     return True
 
 
@@ -186,6 +200,7 @@ def case_bad_request_keeps_the_update(rank, world):
 def _worker(rank, world, directory):
     return run_cases(rank, world, (("equal", case_defer_equals_fused, ()),
                                    ("fewer", case_one_all_to_all_fewer, ()),
+                                   ("summed", case_summed_fused_like_step, ()),
                                    ("checkpoint", case_save_load_and_prefetch, (directory,)),
                                    ("bad", case_bad_request_keeps_the_update, ())))
 
@@ -216,6 +231,15 @@ def test_in_one_process_save_load_and_prefetch_push_a_pending_gradient(tmp_path)
 @pytest.mark.parametrize("world", WORLD_PARAMS)
 def test_deferred_pushes_train_like_fused_ones(world):
     assert all(runs(world)[r]["equal"] for r in range(world))
+
+
+def test_in_one_process_summed_fused_updates_train_like_step():
+    assert case_summed_fused_like_step(0, 1)
+
+
+@pytest.mark.parametrize("world", WORLD_PARAMS)
+def test_summed_fused_updates_train_like_step(world):
+    assert all(runs(world)[r]["summed"] for r in range(world))
 
 
 @pytest.mark.parametrize("world", WORLD_PARAMS)

@@ -109,3 +109,24 @@ def test_hot_rows_on_the_tables_device(device, fused):
     assert hot.size > 0 and 0 not in hot.ids.tolist()
     assert {x.device.type for x in (hot.ids, hot.weight, hot.owned_slots, *hot.state.values())} == {device}
     assert torch.allclose(tables[0].full_weight(), tables[1].full_weight(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("defer", [False, True])
+def test_pooled_fused_deferred_rowwise_on_the_tables_device(device, defer):
+    """Owner pooling with a fused row-wise Adagrad (the update deferred or not) trains like the same rule in
+    step(), on the table's device."""
+    tables = [sh.ShardedEmbeddingBag(40, 3, mode="sum", dtype=torch.float64, device=device, seed=1,
+                                     owner_pooling="always", grad_reduction="sum") for _ in range(2)]
+    opts = [sh.ShardedAdagrad(tables[0], lr=0.1, rowwise=True, fused=True, defer=defer),
+            sh.ShardedAdagrad(tables[1], lr=0.1, rowwise=True)]
+    for step in range(4):
+        ids = torch.tensor([1, 5, 5, 39, 0, 7, 5, step], device=device)
+        offsets = torch.tensor([0, 3, 3, 6], device=device)
+        psw = torch.linspace(0.5, 2.0, 8, dtype=torch.float64, device=device)
+        for t, o in zip(tables, opts):
+            t(ids, offsets, psw).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert tables[0].stats.pooled_lookups == 4
+    assert torch.allclose(tables[0].full_weight(), tables[1].full_weight(), rtol=1e-12, atol=1e-12)
