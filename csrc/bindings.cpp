@@ -173,6 +173,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("table"), py::arg("num_rows"), py::arg("value_code"), py::arg("d"), py::arg("ids"),
         py::arg("index_code"), py::arg("n"), py::arg("values"), py::arg("threads"));
 
+  m.def("advise_huge_pages", [](uintptr_t data, int64_t bytes) { advise_huge_pages(ptr(data), static_cast<size_t>(bytes)); },
+        py::arg("data"), py::arg("bytes"),
+        "Ask for transparent huge pages over the 2 MiB-aligned interior of [data, data + bytes) (>= 4 MiB; Linux).");
+
   m.def("rowwise_adagrad",
         [](uintptr_t weight, uintptr_t acc, int64_t num_rows, int value_code, int64_t d, uintptr_t slots, int64_t k,
            uintptr_t grad, double lr, double eps, int threads) {

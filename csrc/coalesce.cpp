@@ -26,31 +26,6 @@ namespace {
 // The widest id range whose slot map build_slot_map keeps between calls (8 MiB per calling thread).
 constexpr int64_t kSlotMapCacheSpan = int64_t{1} << 21;
 
-// Outputs at least this large get huge-page advice (advise_huge_pages).
-constexpr size_t kHugePageOutputBytes = size_t{4} << 20;
-
-// A fresh output (torch.empty: freshly mmapped, no page behind it yet) costs a page fault per 4 KiB on its
-// first writes: 1M Zipf ids x 64 fp32 give a 35 MB output, ~8,600 faults; the slot-map coalesce into it
-// took 52 ms at 1 thread, 30-32 ms with the advice below (37-42 and 29-32 ms at 2 threads; min of 11 on a
-// shared machine). Transparent huge pages over the 2 MiB-aligned interior (honoured where THP is "always"
-// or "madvise") turn those faults into ~16 that map and zero 2 MiB each, and the sum's random writes stop
-// missing the TLB: a fresh output then costs about what a warm one does. (Touching every page from all
-// threads before the sum, with and without the advice, gained nothing measurable.) Results do not change;
-// a refused advice (THP "never", another OS) only leaves 4 KiB pages.
-void advise_huge_pages(void* out, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (bytes < kHugePageOutputBytes) return;
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  const auto base = reinterpret_cast<uintptr_t>(out);
-  const uintptr_t lo = (base + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t hi = (base + bytes) & ~(kHuge - 1);
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-#else
-  (void)out;
-  (void)bytes;
-#endif
-}
-
 }  // namespace
 
 bool build_slot_map(const void* ids, IndexType it, int64_t n, int64_t num_rows, int threads, SlotMap& map) {

@@ -39,7 +39,7 @@ Ops (values are 2-D ``(n, d)`` here; ``num_rows < 0`` means no upper bound):
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -298,6 +298,22 @@ def _(table: Tensor, ids: Tensor, values: Tensor) -> None:
 @scatter_add_.register_fake
 def _(table: Tensor, ids: Tensor, values: Tensor) -> None:
     return None
+
+
+# ------------------------------------------------------- shard storage
+
+
+def empty_rows(shape: Tuple[int, ...], dtype: torch.dtype, device: Any = None) -> Tensor:
+    """``torch.empty(shape)`` for a table read and updated at random rows: on the CPU, backed by transparent
+    huge pages where the OS allows it (Linux with THP "always" or "madvise"; elsewhere plain pages).
+
+    Asked before the first write, so the pages are huge from the start: with 4 KiB pages every random row is
+    a TLB miss (embedding_bag over 40,960 random rows of a 128 MB shard: 0.40 ms, 0.28 with huge pages).
+    """
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.device.type == "cpu" and t.numel():
+        _C.advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    return t
 
 
 # ------------------------------------------------------- row-wise Adagrad

@@ -38,6 +38,7 @@ __all__ = [
     "coalesce_segments",
     "rowwise_adagrad_",
     "PooledPlan",
+    "empty_rows",
     "group_by",
     "bag_groups",
     "unique_inverse",
@@ -426,6 +427,12 @@ def _check_int64_ids(ids, name: str) -> None:
     _check_ids(ids, name)
     if ids.dtype != torch.int64:
         raise TypeError(f"{name} must be int64, got {ids.dtype}")
+
+
+def empty_rows(shape: Tuple[int, ...], dtype: torch.dtype, device=None) -> torch.Tensor:
+    """``torch.empty`` for a table read and updated at random rows (a shard, its optimizer state): on the
+    CPU backed by transparent huge pages where the OS allows it (:func:`sparsecomm._library.empty_rows`)."""
+    return _library.empty_rows(tuple(shape), dtype, device)
 
 
 def group_by(index: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -100,7 +100,7 @@ class _ShardedTable(nn.Module):
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.seed = broadcast_int(seed, self._group)
         self._optimizer: Optional[weakref.ref] = None
-        self.local_weight = torch.empty(self.layout.num_local, embedding_dim, dtype=dtype, device=device)
+        self.local_weight = ops.empty_rows((self.layout.num_local, embedding_dim), dtype, device)   # huge pages
         # Replicated hot rows (sparsecomm.sharded.hot), or None.
         self.hot: Optional[HotRows] = HotRows(hot_rows, embedding_dim, dtype, device) \
             if hot_rows is not None and hot_rows.budget_bytes > 0 else None

@@ -90,6 +90,11 @@ def _weights(items: Any) -> List[torch.Tensor]:
     return out
 
 
+def _rows_like(p: torch.Tensor, shape=None) -> torch.Tensor:
+    """Uninitialized row-aligned state for shard ``p`` (huge pages on the CPU: it is updated at random rows)."""
+    return ops.empty_rows(tuple(p.shape if shape is None else shape), p.dtype, p.device)
+
+
 def _add_rows(table: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     """``table[slots] += rows`` for unique slots, through the row kernel (faster than ``index_add_``)."""
     if table.dim() == 1:  # row-wise accumulators: one value per row
@@ -324,8 +329,7 @@ class ShardedAdagrad(ShardedOptimizer):
 
     def _init_state(self, p, group):
         shape = p.shape[:1] if self.rowwise else p.shape
-        return {"step": 0, "sum": torch.full(shape, group["initial_accumulator_value"], dtype=p.dtype,
-                                             device=p.device)}
+        return {"step": 0, "sum": _rows_like(p, shape).fill_(group["initial_accumulator_value"])}
 
     def _update(self, group, p, state, slots, grad):
         clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
@@ -366,7 +370,7 @@ class ShardedAdam(ShardedOptimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps), fused, defer)
 
     def _init_state(self, p, group):
-        return {"step": 0, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        return {"step": 0, "exp_avg": _rows_like(p).zero_(), "exp_avg_sq": _rows_like(p).zero_()}
 
     def _update(self, group, p, state, slots, grad):
         beta1, beta2 = group["betas"]
