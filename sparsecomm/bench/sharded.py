@@ -503,7 +503,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)} (default: all; "
                                                          "torchrec only when installed)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per method (default 3)")
+    p.add_argument("--warmup", type=int, default=12,
+                   help="untimed steps per method (default 12: owner_pooling='auto' first times each path over 4 "
+                        "rounds, so the timed steps see the path it keeps)")
     p.add_argument("--iters", type=int, default=10, help="timed rounds (default 10)")
     add_launch_args(p)
     a = p.parse_args(argv)

@@ -367,12 +367,13 @@ class TableSet:
         return None
 
     def _measured(self, t: Any) -> Tuple[int, int]:
-        """This rank's measured round time (microseconds) by rows and pooled: the median of the last
-        ``MEASURED_ROUNDS`` rounds of the path, 0 until it has that many."""
+        """This rank's measured round time (microseconds) by rows and pooled: the fastest of the last
+        ``MEASURED_ROUNDS`` rounds of the path (other work on the machine only ever adds time), 0 until it
+        has that many."""
         timing = self._timing.get(id(t))
         if timing is None:
             return 0, 0
-        return tuple(int(sorted(us)[len(us) // 2]) if len(us) >= MEASURED_ROUNDS else 0  # type: ignore[return-value]
+        return tuple(int(min(us)) if len(us) >= MEASURED_ROUNDS else 0  # type: ignore[return-value]
                      for _, us in timing)
 
     def _record(self, tables: List[_Table], seconds: float) -> None:
@@ -380,8 +381,8 @@ class TableSet:
         the requester's own work on the rows (pooling them and its backward, or adding the partial bags).
 
         The first round of each path is not counted (it pays for first-touch buffers and warm-up); a path's
-        time is the median of its last ``MEASURED_ROUNDS`` rounds, so one round slowed by the machine does
-        not decide.
+        time is the fastest of its last ``MEASURED_ROUNDS`` rounds, so rounds slowed by other work on the
+        machine do not decide.
         """
         for t, info in zip(self.tables, tables):
             if not info.timed:
@@ -724,7 +725,7 @@ def pool_rows(rows: torch.Tensor, inverse: torch.Tensor, bags: Bags, pad: Option
 
 # An "auto" table re-measures the path it is not taking every this many rounds.
 REMEASURE_ROUNDS = 64
-# An "auto" table's time for a path: the median of this many rounds of it (after one uncounted round).
+# An "auto" table's time for a path: the fastest of this many rounds of it (after one uncounted round).
 MEASURED_ROUNDS = 3
 
 
@@ -740,7 +741,7 @@ def choose_pooling(choice: str, per_rank: Sequence[Tuple[int, int]], round: int)
 
     Every rank passes the same numbers, so every rank gets the same answer.
     ``"auto"`` first measures rows, then pooled (each path's first round is a
-    warm-up, not counted; a path's time is the median of its last
+    warm-up, not counted; a path's time is the fastest of its last
     ``MEASURED_ROUNDS`` rounds), then takes the faster summed over the ranks, and
     every ``REMEASURE_ROUNDS`` rounds takes the other path once so that a
     change in the workload or the machine is seen.
