@@ -99,7 +99,7 @@ void scatter_add_rows(void* table, int64_t num_rows, ValueType vt, int64_t d, co
                       int64_t n, const void* values, int threads);
 
 // Row-wise Adagrad on k distinct rows (slots strictly increasing, checked with their bounds before any
-// write): acc[s] += mean(g^2); weight[s] += g / (sqrt(acc[s]) + eps) * -lr. float32/float64.
+// write): acc[s] += mean(g^2); weight[s] += g * (-lr / (sqrt(acc[s]) + eps)). float32/float64.
 void rowwise_adagrad(void* weight, void* acc, int64_t num_rows, ValueType vt, int64_t d, const int64_t* slots,
                      int64_t k, const void* grad, double lr, double eps, int threads);
 

@@ -1,15 +1,15 @@
 // Row-wise Adagrad on distinct rows, in one pass: what ShardedAdagrad(rowwise=True) does per update.
 //
 // For each distinct slot s with gradient row g (d values):
-//   acc[s] += mean(g * g);  weight[s] += (g / (sqrt(acc[s]) + eps)) * -lr
+//   acc[s] += mean(g * g);  weight[s] += g * (-lr / (sqrt(acc[s]) + eps))
 // The torch version takes seven passes over the rows (square, mean, add into
 // acc, gather acc, sqrt, divide, add into weight); this reads each gradient
 // row once and touches each weight row once. Rows are distinct, so threads
 // never share a row: no atomics, and the result does not depend on the
 // thread count. The mean sums a row's squares in eight interleaved running
-// sums (a fixed order, whatever the thread count), which can differ from
-// torch's vectorized mean in the last bit; the element updates are the same
-// operations in the same order.
+// sums (a fixed order, whatever the thread count), and the step multiplies by
+// lr / std once per row (as fbgemm does): both can differ from torch's
+// vectorized mean and (g / std) * -lr in the last bit.
 #include <cmath>
 
 #include "ops.h"
@@ -45,9 +45,12 @@ void rowwise_adagrad_rows(T* weight, T* acc, int64_t d, const int64_t* slots, in
     for (int64_t j = j0; j < d; ++j) sq += g[j] * g[j];
     const T a = acc[s] + sq / inv_d;
     acc[s] = a;
-    const T std_dev = std::sqrt(a) + eps_t;
+    // One division per row, as fbgemm's row-wise Adagrad (w += g * (lr / std)): a division per element was
+    // the kernel's other bottleneck (its throughput, not its latency). It rounds differently from
+    // torch's (g / std) * -lr in the last bit.
+    const T step = neg_lr / (std::sqrt(a) + eps_t);
     T* w = weight + s * d;
-    for (int64_t j = 0; j < d; ++j) w[j] += (g[j] / std_dev) * neg_lr;
+    for (int64_t j = 0; j < d; ++j) w[j] += g[j] * step;
   }
 }
 

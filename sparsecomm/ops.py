@@ -363,7 +363,8 @@ def rowwise_adagrad_(weight: torch.Tensor, acc: torch.Tensor, slots: torch.Tenso
     """Row-wise Adagrad on distinct rows, in place and in one pass (what ``ShardedAdagrad(rowwise=True)`` does).
 
     For each ``i``: ``acc[s] += mean(grad[i] ** 2)``, then
-    ``weight[s] += grad[i] / (sqrt(acc[s]) + eps) * -lr``, with ``s = slots[i]``.
+    ``weight[s] += grad[i] * (-lr / (sqrt(acc[s]) + eps))`` (one division per row, as fbgemm's row-wise
+    Adagrad; torch's ``grad / std * -lr`` can differ in the last bit), with ``s = slots[i]``.
 
     Args:
         weight: ``(V, d)`` float32/float64 rows, updated in place.
