@@ -177,6 +177,16 @@ struct PooledScratch {
   std::vector<int32_t> inv, owner, local, run_start;
 };
 
+// Group sizes -> where each group starts (an exclusive prefix sum, in place).
+void counts_to_starts(int64_t* counts, int64_t size) {
+  int64_t sum = 0;
+  for (int64_t g = 0; g < size; ++g) {
+    const int64_t c = counts[g];
+    counts[g] = sum;
+    sum += c;
+  }
+}
+
 }  // namespace
 
 void group_by(const int64_t* index, int64_t n, int64_t size, int64_t* order, int64_t* offsets, int threads) {
@@ -190,12 +200,7 @@ void group_by(const int64_t* index, int64_t n, int64_t size, int64_t* order, int
   stable_counting_sort(
       n, size, threads, [&](int64_t i) { return index[i]; }, [&](int64_t i, int64_t dst) { order[dst] = i; },
       offsets);
-  int64_t sum = 0;
-  for (int64_t b = 0; b < size; ++b) {
-    const int64_t c = offsets[b];
-    offsets[b] = sum;
-    sum += c;
-  }
+  counts_to_starts(offsets, size);
 }
 
 void bag_groups(const int64_t* key, int64_t r, const int64_t* positions, int64_t n, const int64_t* lengths,
@@ -230,12 +235,7 @@ void bag_groups(const int64_t* key, int64_t r, const int64_t* positions, int64_t
         rows[dst] = bag_of[static_cast<size_t>(i)];
       },
       offsets);
-  int64_t sum = 0;
-  for (int64_t g = 0; g < size; ++g) {
-    const int64_t c = offsets[g];
-    offsets[g] = sum;
-    sum += c;
-  }
+  counts_to_starts(offsets, size);
 }
 
 void unique_inverse(const int64_t* ids, int64_t n, int64_t num_rows, std::vector<int64_t>& unique,
