@@ -229,6 +229,15 @@ def test_sharded_without_torchrec_lists_it_as_skipped_and_exits_0(tmp_path):
 
 # ---------------------------------------------------------------- pieces, in process
 
+def test_sharded_refuses_no_warm_up():
+    from sparsecomm.bench import sharded
+
+    for bad in (["--warmup", "0"], ["--iters", "0"]):
+        with pytest.raises(SystemExit) as e:
+            sharded.run(bad)
+        assert e.value.code == 2
+
+
 def test_print_table_compact_wide_and_legend(capsys):
     from sparsecomm.bench.harness import Row, print_table
 

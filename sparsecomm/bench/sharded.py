@@ -540,6 +540,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         p.error("--alpha and --pooling take numbers, comma-separated")
     if not a.alphas or not a.poolings or min(a.poolings) < 1 or min(a.alphas) <= 1:
         p.error("--pooling needs ids per bag >= 1 and --alpha Zipf exponents > 1")
+    if a.warmup < 1 or a.iters < 1:
+        p.error("--warmup and --iters must be >= 1 (the step after warm-up is checked against a simulation of "
+                "the warm-up's updates)")
     explicit = any(x == "--methods" or x.startswith("--methods=") for x in argv)
     a.skipped = {}
     if not explicit and importlib.util.find_spec("torchrec") is None:
