@@ -216,8 +216,12 @@ class _Deferred(NamedTuple):
 
     tables: List[_Table]          # the round's owner-side records (where each gradient row goes)
     pushing: List[bool]           # per table: whether it gets a gradient (the same on every rank)
-    routes: Routes                # the round's routes, with the gradient's row counts
-    carry: Carry                  # the rows, and how many go to / come from each peer
+    routes: Routes                # the round's routes: rows_send / rows_recv count the gradient rows per peer
+    rows: List[torch.Tensor]      # per table, the gradient rows, those for each owner consecutive
+
+    def carry(self) -> Carry:
+        """The rows as a request carries them."""
+        return Carry(self.rows, self.routes.rows_send, self.routes.rows_recv)
 
 
 class _Round(torch.autograd.Function):
@@ -453,7 +457,7 @@ class TableSet:
         carry = None
         if self._deferred is not None and not async_op:  # the last backward's gradient rows travel along
             state["deferred"], self._deferred = self._deferred, None
-            carry = state["deferred"].carry
+            carry = state["deferred"].carry()
         state["pending"] = start_request(requests, status=status[0], detail=status[1], message=status[2],
                                          round=self.rounds, group=self.group, stats=self.stats,
                                          capacity=self.capacity, async_op=async_op, carry=carry)
@@ -617,7 +621,7 @@ class TableSet:
         routes = routes._replace(rows_send=send, rows_recv=recv, problem=None)
         if self._defers(pushing):
             self.push_deferred()  # an earlier round's pending gradient is applied first (updates keep their order)
-            self._deferred = _Deferred(tables, pushing, routes, Carry(rows, send, recv))
+            self._deferred = _Deferred(tables, pushing, routes, rows)
             return [None] * len(self.tables)
         got = exchange_rows(rows, routes, self.group, self.stats)
         hot_sums = sync_hot_gradients(hot_entries, self.group, n, [t.grad_reduction == "mean" for t in hot_tables],
@@ -672,8 +676,13 @@ class TableSet:
         d, self._deferred = self._deferred, None
         if d is None:
             return
-        got = exchange_rows(d.carry.rows, d.routes, self.group, self.stats)
+        got = exchange_rows(d.rows, d.routes, self.group, self.stats)
         self._owner_gradients(d.tables, d.pushing, got)
+
+    def settle(self) -> None:
+        """Run the open round and push a pending deferred gradient (collective): the shards hold every update."""
+        self.flush()
+        self.push_deferred()
 
 
 class _PoolRows(torch.autograd.Function):
@@ -815,8 +824,7 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[Any]] = None) -> Ta
         raise ValueError(f"{type(model).__name__} contains no sharded table to group")
     table_set = TableSet(tables, lazy=True)
     for t in tables:
-        t._set.flush()  # a lookup still pending in its old set runs there first, and its gradient is pushed
-        t._set.push_deferred()
+        t._set.settle()  # a lookup still pending in its old set runs there first, and its gradient is pushed
         t._set = table_set
 
     def finish_forward(module, args, output):
@@ -838,5 +846,4 @@ def flush(model: nn.Module) -> None:
     for _, t in sharded_modules(model):
         if id(t._set) not in done:
             done.add(id(t._set))
-            t._set.flush()
-            t._set.push_deferred()
+            t._set.settle()
