@@ -6,12 +6,14 @@
 // any write. The GIL is released while kernels run so that communication
 // threads keep going.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstring>
 #include <memory>
 #include <vector>
 
 #include "ops.h"
+#include "shm_alltoall.h"
 
 namespace py = pybind11;
 using namespace sparsecomm;
@@ -248,6 +250,22 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_owners"), py::arg("range_size"), py::arg("stride"), py::arg("unique_counts"), py::arg("order"),
         py::arg("occ_counts"), py::arg("positions"), py::arg("bag_counts"), py::arg("threads"),
         "Owner pooling's request: fixed-size outputs written, the distinct ids and partial bags returned.");
+
+  py::class_<ShmAllToAll>(m, "ShmAllToAll")
+      .def(py::init<const std::string&, bool, int, int, uint64_t>(), py::arg("path"), py::arg("create"),
+           py::arg("rank"), py::arg("world"), py::arg("slot_bytes"),
+           "Create (rank 0) or open a host-local all-to-all segment (see sparsecomm/collectives/shm.py).")
+      .def("run",
+           [](ShmAllToAll& s, uintptr_t send, const std::vector<int64_t>& send_bytes, uintptr_t recv,
+              const std::vector<int64_t>& recv_bytes, double timeout_seconds) {
+             py::gil_scoped_release release;
+             s.run(ptr<const uint8_t>(send), send_bytes, ptr<uint8_t>(recv), recv_bytes, timeout_seconds);
+           },
+           py::arg("send"), py::arg("send_bytes"), py::arg("recv"), py::arg("recv_bytes"),
+           py::arg("timeout_seconds"))
+      .def_property_readonly("failed", &ShmAllToAll::failed)
+      .def_property_readonly("bytes", &ShmAllToAll::bytes)
+      .def_property_readonly("slot_bytes", &ShmAllToAll::slot_bytes);
 
   m.def("openmp_enabled", [] {
 #ifdef _OPENMP

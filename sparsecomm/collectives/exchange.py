@@ -21,12 +21,13 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
+from sparsecomm.collectives import shm
 from sparsecomm.types import SparseSyncStats
 
 # torch >= 2.13 renames all_gather_into_tensor (which then warns) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-__all__ = ["all_gather_single", "all_to_all", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes",
+__all__ = ["all_gather_single", "all_to_all", "all_to_all_calls", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes",
            "count_copied",
            "wire_buffers", "wire_row_bytes", "all_to_all_rows", "exchange_counts", "Gathered", "Reduce",
            "exchange_tables", "push_to_owners", "allgather_rows"]
@@ -35,6 +36,13 @@ __all__ = ["all_gather_single", "all_to_all", "wire_index_dtype", "kernel_ids", 
 # Per group, the work objects of its last few all-to-alls, referenced from Python after the calls returned.
 _PARKED: dict = {}
 _PARKED_CALLS = 8
+# All-to-alls this process ran through all_to_all (any group, any transport): what a step costs in collectives.
+_CALLS = [0]
+
+
+def all_to_all_calls() -> int:
+    """How many all-to-alls this process has run through :func:`all_to_all` (all groups, both transports)."""
+    return _CALLS[0]
 
 
 def all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[List[int]] = None,
@@ -53,7 +61,16 @@ def all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[Lis
     Python makes that last release happen on a Python thread: when the ring of
     the last ``_PARKED_CALLS`` works moves on, or at module teardown. Every
     all-to-all of the library goes through here.
+
+    A synchronous all-to-all of CPU tensors on a gloo group whose ranks share
+    a host goes through shared memory instead (:mod:`sparsecomm.collectives.shm`).
     """
+    _CALLS[0] += 1
+    if not async_op and send.device.type == "cpu" and recv.device.type == "cpu":
+        fast = shm.transport(group)
+        if fast is not None:
+            shm.run(fast, recv, send, recv_splits, send_splits, group)
+            return None
     work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
     parked = _PARKED.get(id(group))
     if parked is None:

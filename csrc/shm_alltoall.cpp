@@ -1,0 +1,326 @@
+// See shm_alltoall.h.
+#include "shm_alltoall.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+#if defined(__linux__)
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+#endif
+
+namespace sparsecomm {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x73706373686d3031ULL;  // "spcshm01"
+constexpr size_t kLine = 64;
+constexpr size_t kWhy = 256;
+constexpr double kCheckSeconds = 0.1;  // how often a waiting rank checks its peers are alive
+constexpr double kSpinSeconds = 20e-6;  // spin this long before sleeping, when every rank has a core
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+#if defined(__linux__)
+int available_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
+// Whether process `pid` still runs: it exists and is not a zombie (a dead child its parent has not reaped yet,
+// as under a launcher busy joining other ranks).
+bool process_alive(int64_t pid) {
+  if (pid <= 0) return true;  // unknown: only the timeout applies
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno != ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return true;
+  char buf[512];
+  const size_t got = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[got] = '\0';
+  const char* close = std::strrchr(buf, ')');  // the command name may hold spaces and parentheses
+  if (close == nullptr || close[1] == '\0' || close[2] == '\0') return true;
+  return close[2] != 'Z' && close[2] != 'X';
+}
+#endif
+
+}  // namespace
+
+struct ShmAllToAll::Channel {
+  alignas(kLine) std::atomic<uint64_t> posted;  // chunks src has put in the slot (ever)
+  alignas(kLine) std::atomic<uint64_t> taken;   // chunks dst has copied out (ever)
+  alignas(kLine) uint64_t bytes;                // the slot's chunk: its bytes
+  uint64_t total;                               // and its whole message's bytes
+};
+
+struct ShmAllToAll::Header {
+  uint64_t magic;
+  int32_t world;
+  int32_t reserved;
+  uint64_t slot_bytes;
+  std::atomic<int32_t> failed_rank;  // -1, or the first rank that failed a call
+  std::atomic<int32_t> why_ready;    // 1 once `why` holds that rank's message
+  char why[kWhy];
+};
+
+// Segment: Header | pids (int64 per rank) | per rank a line {doorbell, waiters} | channels | slots.
+namespace {
+struct Layout {
+  size_t pids, bells, channels, slots, size;
+  Layout(int world, uint64_t slot, size_t header, size_t channel) {
+    const size_t pairs = static_cast<size_t>(world) * world;
+    pids = align_up(header, kLine);
+    bells = align_up(pids + 8 * static_cast<size_t>(world), kLine);
+    channels = bells + kLine * world;
+    slots = align_up(channels + channel * pairs, 4096);
+    size = slots + pairs * slot;
+  }
+};
+}  // namespace
+
+#if defined(__linux__)
+
+ShmAllToAll::ShmAllToAll(const std::string& path, bool create, int rank, int world, uint64_t slot_bytes)
+    : rank_(rank), world_(world), slot_(slot_bytes), sent_(world, 0), taken_(world, 0) {
+  if (world < 1 || rank < 0 || rank >= world) throw std::invalid_argument("sparsecomm shm: bad rank or world");
+  if (slot_bytes < 4096 || slot_bytes % 64) throw std::invalid_argument("sparsecomm shm: slot_bytes must be >= 4096, a multiple of 64");
+  const Layout lay(world, slot_bytes, sizeof(Header), sizeof(Channel));
+  size_ = lay.size;
+  pids_ = lay.pids;
+  bells_ = lay.bells;
+  channels_ = lay.channels;
+  slots_ = lay.slots;
+  fd_ = ::open(path.c_str(), create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
+  if (fd_ < 0) throw std::runtime_error("sparsecomm shm: cannot open " + path + ": " + std::strerror(errno));
+  if (create) {
+    // Reserve every page now: a tmpfs file extended with ftruncate alone would SIGBUS on a full /dev/shm.
+    const int err = ::posix_fallocate(fd_, 0, static_cast<off_t>(size_));
+    if (err != 0) {
+      ::close(fd_);
+      throw std::runtime_error("sparsecomm shm: cannot reserve " + std::to_string(size_) + " bytes in " + path +
+                               ": " + std::strerror(err));
+    }
+  } else {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) != size_) {
+      ::close(fd_);
+      throw std::runtime_error("sparsecomm shm: " + path + " does not have the expected size");
+    }
+  }
+  void* p = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    ::close(fd_);
+    throw std::runtime_error(std::string("sparsecomm shm: mmap failed: ") + std::strerror(errno));
+  }
+  base_ = static_cast<uint8_t*>(p);
+  Header* h = reinterpret_cast<Header*>(base_);
+  if (create) {
+    // The file is zero-filled: counters start at 0. Fill the header, the magic last.
+    h->world = world;
+    h->slot_bytes = slot_bytes;
+    h->failed_rank.store(-1, std::memory_order_relaxed);
+    h->why_ready.store(0, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->store(kMagic, std::memory_order_release);
+  } else if (reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->load(std::memory_order_acquire) != kMagic ||
+             h->world != world || h->slot_bytes != slot_bytes) {
+    ::munmap(base_, size_);
+    ::close(fd_);
+    base_ = nullptr;
+    throw std::runtime_error("sparsecomm shm: " + path + " is not this group's segment");
+  }
+  reinterpret_cast<int64_t*>(base_ + pids_)[rank] = static_cast<int64_t>(::getpid());
+  spin_ = world <= available_cores();
+}
+
+ShmAllToAll::~ShmAllToAll() {
+  if (base_ != nullptr) ::munmap(base_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+ShmAllToAll::Channel& ShmAllToAll::channel(int src, int dst) const {
+  return reinterpret_cast<Channel*>(base_ + channels_)[static_cast<size_t>(src) * world_ + dst];
+}
+
+uint8_t* ShmAllToAll::slot(int src, int dst) const {
+  return base_ + slots_ + (static_cast<size_t>(src) * world_ + dst) * slot_;
+}
+
+std::atomic<uint32_t>& ShmAllToAll::doorbell(int r) const {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(base_ + bells_ + kLine * r);
+}
+
+std::atomic<uint32_t>& ShmAllToAll::waiters(int r) const {
+  return *reinterpret_cast<std::atomic<uint32_t>*>(base_ + bells_ + kLine * r + 4);
+}
+
+void ShmAllToAll::ring(int r) const {
+  doorbell(r).fetch_add(1, std::memory_order_seq_cst);
+  if (waiters(r).load(std::memory_order_seq_cst) != 0)
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&doorbell(r)), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+bool ShmAllToAll::failed() const {
+  return reinterpret_cast<Header*>(base_)->failed_rank.load(std::memory_order_acquire) >= 0;
+}
+
+void ShmAllToAll::fail(const std::string& why) {
+  Header* h = reinterpret_cast<Header*>(base_);
+  int32_t expected = -1;
+  if (h->failed_rank.compare_exchange_strong(expected, rank_)) {
+    std::strncpy(h->why, why.c_str(), kWhy - 1);
+    h->why[kWhy - 1] = '\0';
+    h->why_ready.store(1, std::memory_order_release);
+  }
+  for (int r = 0; r < world_; ++r)
+    if (r != rank_) ring(r);
+  throw std::runtime_error(why);
+}
+
+void ShmAllToAll::raise_peer_failure() const {
+  Header* h = reinterpret_cast<Header*>(base_);
+  const int who = h->failed_rank.load(std::memory_order_acquire);
+  const double until = now() + 0.05;
+  while (h->why_ready.load(std::memory_order_acquire) == 0 && now() < until) std::this_thread::yield();
+  const std::string why = h->why_ready.load(std::memory_order_acquire) ? std::string(h->why) : "no message";
+  throw std::runtime_error("sparsecomm shared-memory all-to-all: rank " + std::to_string(who) +
+                           " failed an all-to-all of this group (" + why + "); the group's all-to-all is broken");
+}
+
+void ShmAllToAll::run(const uint8_t* send, const std::vector<int64_t>& ssize, uint8_t* recv,
+                      const std::vector<int64_t>& rsize, double timeout_seconds) {
+  const int n = world_, me = rank_;
+  if (static_cast<int>(ssize.size()) != n || static_cast<int>(rsize.size()) != n)
+    throw std::invalid_argument("sparsecomm shm: one size per rank");
+  if (failed()) raise_peer_failure();
+  std::vector<int64_t> sdispl(n + 1, 0), rdispl(n + 1, 0);
+  for (int j = 0; j < n; ++j) {
+    if (ssize[j] < 0 || rsize[j] < 0) throw std::invalid_argument("sparsecomm shm: negative size");
+    sdispl[j + 1] = sdispl[j] + ssize[j];
+    rdispl[j + 1] = rdispl[j] + rsize[j];
+  }
+  if (ssize[me] != rsize[me])
+    fail("rank " + std::to_string(me) + " sends itself " + std::to_string(ssize[me]) + " bytes but expects " +
+         std::to_string(rsize[me]));
+  if (ssize[me]) std::memcpy(recv + rdispl[me], send + sdispl[me], ssize[me]);
+  // Per peer: chunks still to post / take (an empty message is one empty chunk: it carries the total, checked).
+  std::vector<int64_t> to_send(n, 0), to_take(n, 0), sent_bytes(n, 0), got_bytes(n, 0);
+  std::vector<char> first(n, 1);
+  int pending = 0;
+  for (int j = 0; j < n; ++j) {
+    if (j == me) continue;
+    to_send[j] = std::max<int64_t>(1, (ssize[j] + slot_ - 1) / slot_);
+    to_take[j] = 1;  // at least one; the first chunk's total says how many
+    pending += 2;
+  }
+  const double start = now();
+  const double deadline = start + timeout_seconds;
+  double next_check = start + kCheckSeconds;
+  double idle_since = -1.0;
+  const int64_t* pids = reinterpret_cast<const int64_t*>(base_ + pids_);
+  std::atomic<uint32_t>& bell = doorbell(me);
+  while (pending > 0) {
+    const uint32_t seen = bell.load(std::memory_order_seq_cst);
+    bool progress = false;
+    for (int k = 1; k < n; ++k) {
+      const int j = (me + k) % n;  // start with the next rank: ranks do not all hit rank 0 first
+      if (to_send[j] > 0) {
+        Channel& c = channel(me, j);
+        if (c.taken.load(std::memory_order_acquire) == sent_[j]) {
+          const int64_t len = std::min<int64_t>(static_cast<int64_t>(slot_), ssize[j] - sent_bytes[j]);
+          if (len) std::memcpy(slot(me, j), send + sdispl[j] + sent_bytes[j], len);
+          c.bytes = static_cast<uint64_t>(len);
+          c.total = static_cast<uint64_t>(ssize[j]);
+          c.posted.store(++sent_[j], std::memory_order_release);
+          sent_bytes[j] += len;
+          if (--to_send[j] == 0) --pending;
+          ring(j);
+          progress = true;
+        }
+      }
+      if (to_take[j] > 0) {
+        Channel& c = channel(j, me);
+        if (c.posted.load(std::memory_order_acquire) > taken_[j]) {
+          const int64_t total = static_cast<int64_t>(c.total), len = static_cast<int64_t>(c.bytes);
+          if (total != rsize[j])
+            fail("rank " + std::to_string(me) + " expected " + std::to_string(rsize[j]) + " bytes from rank " +
+                 std::to_string(j) + ", which sends " + std::to_string(total));
+          if (first[j]) {
+            first[j] = 0;
+            to_take[j] = std::max<int64_t>(1, (total + slot_ - 1) / slot_);
+          }
+          if (len < 0 || len > static_cast<int64_t>(slot_) || got_bytes[j] + len > rsize[j])
+            fail("rank " + std::to_string(me) + " got a malformed chunk from rank " + std::to_string(j));
+          if (len) std::memcpy(recv + rdispl[j] + got_bytes[j], slot(j, me), len);
+          got_bytes[j] += len;
+          c.taken.store(++taken_[j], std::memory_order_release);
+          if (--to_take[j] == 0) --pending;
+          ring(j);
+          progress = true;
+        }
+      }
+    }
+    if (progress) {
+      idle_since = -1.0;
+      continue;
+    }
+    if (failed()) raise_peer_failure();
+    const double t = now();
+    if (idle_since < 0) idle_since = t;
+    if (spin_ && t - idle_since < kSpinSeconds) continue;
+    if (t >= deadline)
+      fail("rank " + std::to_string(me) + " waited " + std::to_string(static_cast<int>(t - start)) +
+           " s (the group's timeout) for its peers in a shared-memory all-to-all");
+    if (t >= next_check) {
+      next_check = t + kCheckSeconds;
+      for (int j = 0; j < n; ++j) {
+        if (j == me || (to_send[j] == 0 && to_take[j] == 0)) continue;
+        // A peer may post its last chunk and exit: what it left in the slot still arrives.
+        if (to_take[j] > 0 && channel(j, me).posted.load(std::memory_order_acquire) > taken_[j]) continue;
+        if (!process_alive(pids[j]))
+          fail("rank " + std::to_string(j) + " (pid " + std::to_string(pids[j]) +
+               ") exited during a shared-memory all-to-all with rank " + std::to_string(me));
+      }
+    }
+    // Sleep until a peer rings (or the next check is due).
+    const double wait = std::max(1e-4, std::min(next_check, deadline) - t);
+    struct timespec ts;
+    ts.tv_sec = static_cast<time_t>(wait);
+    ts.tv_nsec = static_cast<long>((wait - static_cast<double>(ts.tv_sec)) * 1e9);
+    waiters(me).fetch_add(1, std::memory_order_seq_cst);
+    ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&bell), FUTEX_WAIT, seen, &ts, nullptr, 0);
+    waiters(me).fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+#else  // not Linux: the Python side never creates one
+
+ShmAllToAll::ShmAllToAll(const std::string&, bool, int, int, uint64_t) {
+  throw std::runtime_error("sparsecomm shm: shared-memory all-to-all needs Linux");
+}
+ShmAllToAll::~ShmAllToAll() {}
+void ShmAllToAll::run(const uint8_t*, const std::vector<int64_t>&, uint8_t*, const std::vector<int64_t>&, double) {}
+bool ShmAllToAll::failed() const { return true; }
+
+#endif
+
+}  // namespace sparsecomm

@@ -1,0 +1,157 @@
+"""All-to-all through shared memory, for gloo groups whose ranks share one host.
+
+gloo's all-to-all goes through TCP sockets and two threads of its own per
+process. Inside a training step on a busy host every hand-off between those
+threads waits for a core: a 256 KB all-to-all between two ranks costs
+0.7-1 ms there, against 20 us of copying (``docs/DESIGN.md``, "Shared-memory
+all-to-all"). When every rank of a gloo group runs on the same host, the
+library's synchronous all-to-alls (:func:`sparsecomm.collectives.exchange.all_to_all`)
+go through one shared segment instead: a slot per ordered pair of ranks,
+filled and emptied chunk by chunk by the callers themselves (C++:
+``csrc/shm_alltoall.cpp``).
+
+- Set up on a group's first synchronous CPU all-to-all (collective: every rank
+  of the group makes that call at the same point, as for any collective).
+  Used only when every rank agrees: all on Linux, one host (same host name,
+  boot id and network namespace), ``SPARSECOMM_SHM`` not ``0`` on any rank, and every rank could
+  map the segment; otherwise the group keeps gloo, decided the same on all.
+- The segment is a ``/dev/shm`` file that rank 0 creates with every page
+  reserved (a full ``/dev/shm`` fails the set-up, not a later write) and
+  unlinks as soon as every rank mapped it: nothing is left behind when a
+  process dies.
+- Honours the group's timeout; a waiting rank checks every 100 ms that the
+  peers it waits for are alive, and a rank that fails (timeout, dead peer,
+  sizes that disagree) marks the segment failed: every peer in or entering an
+  all-to-all of the group raises at once.
+- Asynchronous all-to-alls (a prefetched request) stay on gloo: they run on
+  gloo's own thread while the caller goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from sparsecomm.collectives.groups import group_timeout
+
+__all__ = ["ENV_VAR", "transport", "run", "active"]
+
+# "0" turns the shared-memory all-to-all off (on any rank: then on every rank of the group).
+ENV_VAR = "SPARSECOMM_SHM"
+# One slot per ordered pair of ranks; the segment stays within _MAX_SEGMENT (larger messages go in chunks).
+_SLOT_BYTES = 1 << 20
+_MIN_SLOT_BYTES = 64 << 10
+_MAX_SEGMENT = 64 << 20
+
+# Per process group (the object; WORLD for None): its transport, or None where the group keeps gloo.
+_TRANSPORTS: Dict[object, Optional[object]] = {}
+
+
+def _key(group: Optional[dist.ProcessGroup]) -> object:
+    return dist.group.WORLD if group is None else group
+
+
+def _host_id() -> str:
+    """This host as far as sharing memory goes: host name, boot id and network namespace (ranks in separate
+    network namespaces are emulated hosts, as in ``benchmarks/cluster.py``: their traffic must take the
+    emulated links, so they count as different hosts)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        net = os.readlink("/proc/self/ns/net")
+    except OSError:
+        net = ""
+    return f"{os.uname().nodename}/{boot}/{net}"
+
+
+def slot_bytes(world: int) -> int:
+    """Bytes per channel slot for ``world`` ranks (1 MiB, less for large worlds; 64 KiB at least)."""
+    per_pair = _MAX_SEGMENT // max(1, world * world)
+    return max(_MIN_SLOT_BYTES, min(_SLOT_BYTES, per_pair // 4096 * 4096))
+
+
+def active(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``group``'s all-to-alls already go through shared memory (False before its first one)."""
+    return _TRANSPORTS.get(_key(group)) is not None
+
+
+def transport(group: Optional[dist.ProcessGroup]):
+    """``group``'s shared-memory transport, or None (gloo); sets it up on the first call (collective)."""
+    key = _key(group)
+    if key in _TRANSPORTS:
+        return _TRANSPORTS[key]
+    _TRANSPORTS[key] = None
+    if dist.get_backend(group) != "gloo":
+        return None
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    if n == 1:
+        return None
+    wanted = os.environ.get(ENV_VAR, "1") != "0" and sys.platform.startswith("linux")
+    infos: List[object] = [None] * n
+    dist.all_gather_object(infos, (wanted, _host_id()), group=group)
+    if not all(w for w, _ in infos) or len({h for _, h in infos}) != 1:
+        return None
+    slot = slot_bytes(n)
+    path, made, error = None, None, None
+    if me == 0:
+        path = f"/dev/shm/sparsecomm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        try:
+            made = _make(path, True, me, n, slot)
+        except (RuntimeError, ValueError, OSError) as exc:
+            error, path = str(exc), None
+    paths: List[object] = [None] * n
+    dist.all_gather_object(paths, path, group=group)
+    path = paths[0]
+    if path is not None and me != 0:
+        try:
+            made = _make(path, False, me, n, slot)
+        except (RuntimeError, ValueError, OSError) as exc:
+            error = str(exc)
+    oks: List[object] = [None] * n
+    dist.all_gather_object(oks, made is not None, group=group)
+    if me == 0 and path is not None:
+        os.unlink(path)  # every rank has it mapped (or gave up): nothing stays in /dev/shm
+    if not all(oks):
+        return None
+    _TRANSPORTS[key] = made
+    return made
+
+
+def _make(path: str, create: bool, rank: int, world: int, slot: int):
+    from sparsecomm import _C
+
+    return _C.ShmAllToAll(path, create, rank, world, slot)
+
+
+def _split_bytes(t: torch.Tensor, splits: Optional[List[int]], n: int) -> List[int]:
+    rows = t.shape[0] if t.dim() else 1
+    row_bytes = t.numel() * t.element_size() // rows if rows else 0
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"all_to_all: {rows} rows do not split evenly over {n} ranks")
+        return [rows // n * row_bytes] * n
+    if len(splits) != n or sum(splits) != rows:
+        raise ValueError(f"all_to_all: splits {splits} do not cover {rows} rows over {n} ranks")
+    return [int(s) * row_bytes for s in splits]
+
+
+def run(shm, recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[List[int]],
+        send_splits: Optional[List[int]], group: Optional[dist.ProcessGroup]) -> None:
+    """``all_to_all_single(recv, send, recv_splits, send_splits)`` through ``shm`` (CPU tensors)."""
+    n = dist.get_world_size(group)
+    s_bytes, r_bytes = _split_bytes(send, send_splits, n), _split_bytes(recv, recv_splits, n)
+    timeout = group_timeout(group)
+    seconds = timeout.total_seconds() if timeout is not None else 1800.0
+    src = send.contiguous()
+    dst = recv if recv.is_contiguous() else torch.empty_like(recv, memory_format=torch.contiguous_format)
+    shm.run(src.data_ptr(), s_bytes, dst.data_ptr(), r_bytes, seconds)
+    if dst is not recv:
+        recv.copy_(dst)
