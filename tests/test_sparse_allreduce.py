@@ -278,13 +278,13 @@ def test_allgather_with_capacity_is_one_collective_and_falls_back_when_rows_over
 def _malicious_worker(rank, world, attack):
     """Rank 1 corrupts what it tells its peers; every rank must raise ValueError, nothing crashes."""
     import sparsecomm.collectives.sync_plan as sparse_mod
+    from sparsecomm.collectives import shm
 
     t = torch.sparse_coo_tensor(torch.arange(12)[None] * (rank + 1), torch.ones(12, 4), (100, 4))
     if rank == 1:
-        real = dist.all_to_all_single
         calls = [0]
 
-        def lying_all_to_all(output, input, *args, **kwargs):
+        def lie(input):
             calls[0] += 1
             if attack == "negative-count" and calls[0] == 1:
                 # Metadata: the push count for owner 0 becomes negative, the total unchanged.
@@ -294,9 +294,19 @@ def _malicious_worker(rank, world, attack):
                 input.view(world, -1)[:, sparse_mod._K_SLOT] = 2**40
             if attack == "pull-count" and calls[0] == 3:
                 input.fill_(10**9)  # an owner announces more rows than were pushed to it
-            return real(output, input, *args, **kwargs)
 
-        dist.all_to_all_single = lying_all_to_all
+        # Whichever transport carries the all-to-all (gloo, or shared memory on one host) sends the lie.
+        real_gloo, real_shm = dist.all_to_all_single, shm.run
+
+        def lying_gloo(output, input, *args, **kwargs):
+            lie(input)
+            return real_gloo(output, input, *args, **kwargs)
+
+        def lying_shm(transport, recv, send, *args):
+            lie(send)
+            return real_shm(transport, recv, send, *args)
+
+        dist.all_to_all_single, shm.run = lying_gloo, lying_shm
     if rank == 1 and attack == "bad-ids":
         real_partition = sparse_mod.ops.partition_rows
 
@@ -308,18 +318,21 @@ def _malicious_worker(rank, world, attack):
     try:
         sparsecomm.sparse_allreduce(t, method="partitioned")
     except ValueError as e:
-        return str(e)
-    return "no error"
+        return str(e), shm.active(None)
+    return "no error", shm.active(None)
 
 
+@pytest.mark.parametrize("transport", ["shm", "gloo"])
 @pytest.mark.parametrize("attack,match", [("negative-count", "inconsistent row counts"),
                                           ("huge-k", "inconsistent row counts"),
                                           ("pull-count", "announced"),
                                           ("bad-ids", "received row ids outside")])
-def test_a_lying_peer_makes_every_rank_raise(attack, match):
-    results = run_ranks(3, _malicious_worker, attack, timeout_s=20)
-    for rank, message in results.items():
+def test_a_lying_peer_makes_every_rank_raise(attack, match, transport):
+    results = run_ranks(3, _malicious_worker, attack, timeout_s=20,
+                        env={"SPARSECOMM_SHM": "1" if transport == "shm" else "0"})
+    for rank, (message, shared) in results.items():
         assert match in message, (rank, message)
+        assert shared == (transport == "shm"), (rank, shared)
 
 
 def _timeout_worker(rank, world):
