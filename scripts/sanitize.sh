@@ -5,9 +5,10 @@
 # into build/asan (the editable install and its build directory are left
 # alone), lays out a package tree there that imports sparsecomm's Python files
 # from this checkout with the sanitized _C beside them, and runs the kernel
-# property tests (tests/test_ops.py) and one multi-rank sharded test (3 gloo
-# ranks) against it. Any sanitizer report fails the run: ASan and UBSan stop
-# the process at the first error, and the output is searched for reports too.
+# property tests (tests/test_ops.py), one multi-rank sharded test (3 gloo
+# ranks) and the shared-memory all-to-all against gloo's against it. Any
+# sanitizer report fails the run: ASan and UBSan stop the process at the
+# first error, and the output is searched for reports too.
 #
 # Usage: bash scripts/sanitize.sh [extra pytest args]
 set -euo pipefail
@@ -66,7 +67,9 @@ EOF
 status=0
 "$PY" -m pytest -q -p no:cacheprovider --capture=sys --rootdir "$root" -c "$root/pyproject.toml" \
   "$root/tests/test_ops.py" \
-  "$root/tests/test_sharded_peers.py::test_bad_counts_and_ids_from_one_peer_raise_on_every_rank" "$@" \
+  "$root/tests/test_sharded_peers.py::test_bad_counts_and_ids_from_one_peer_raise_on_every_rank" \
+  "$root/tests/test_shm_alltoall.py::test_shared_memory_all_to_all_moves_the_bytes_gloo_moves" \
+  "$root/tests/test_shm_alltoall.py::test_sizes_that_disagree_fail_the_call_on_every_rank" "$@" \
   2>&1 | tee "$logs/pytest.log" || status=$?
 if grep -qE "ERROR: AddressSanitizer|AddressSanitizer: CHECK failed|runtime error:|UndefinedBehaviorSanitizer" \
     "$logs/pytest.log"; then
