@@ -1,5 +1,8 @@
 """Dense collectives benchmark in the style of nccl-tests: all_reduce, all_gather, all_to_all.
 
+``sc_alltoall`` is sparsecomm's own all-to-all (``exchange.all_to_all``: shared
+memory between ranks of one host, else the backend's); ``alltoall`` is torch's.
+
 Sizes go from ``--minbytes`` to ``--maxbytes`` multiplying by ``--stepfactor``
 (nccl-tests' ``-b/-e/-f``). ``size`` is the bytes of one rank's buffer for
 all_reduce and all_to_all, and of the gathered output for all_gather (each
@@ -37,9 +40,9 @@ import torch.distributed as dist
 
 from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, format_size, parse_size, plot_rows, progress
 from sparsecomm.bench.launch import add_launch_args, gather_floats, run_distributed
-from sparsecomm.collectives.exchange import all_gather_single
+from sparsecomm.collectives.exchange import all_gather_single, all_to_all
 
-OPS = ("allreduce", "allgather", "alltoall")
+OPS = ("allreduce", "allgather", "alltoall", "sc_alltoall")
 COMPACT_COLS = ("world", "op", "size_h", "time_us", "algbw_GBs", "busbw_GBs", "#wrong")
 LEGEND = {
     "size_h": "bytes of one rank's buffer (all_gather: of the gathered output), as nccl-tests",
@@ -90,7 +93,7 @@ class _Case:
         self.fill()
 
     def fill(self) -> None:
-        if self.op == "alltoall":  # chunk j goes to rank j: make it depend on both ends
+        if self.op in ("alltoall", "sc_alltoall"):  # chunk j goes to rank j: make it depend on both ends
             for j in range(self.n):
                 torch.mul(self.base, _scale(self.me, 7 * j), out=self.inp[j * self.per:(j + 1) * self.per])
         else:
@@ -103,6 +106,8 @@ class _Case:
             dist.all_reduce(self.inp)
         elif self.op == "allgather":
             all_gather_single(self.out, self.inp)
+        elif self.op == "sc_alltoall":
+            all_to_all(self.out, self.inp, group=None)
         else:
             dist.all_to_all_single(self.out, self.inp)
 

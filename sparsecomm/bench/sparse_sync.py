@@ -67,7 +67,7 @@ import torch.distributed as dist
 import sparsecomm
 from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, parse_size, plot_rows, progress
 from sparsecomm.bench.launch import add_launch_args, gather_floats, run_distributed
-from sparsecomm.collectives.exchange import all_gather_single, wire_index_dtype
+from sparsecomm.collectives.exchange import all_gather_single, all_to_all, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device
 from sparsecomm.cost_model import partitioned_floor_bytes
 from sparsecomm.hooks.classifier import choose_method
@@ -343,10 +343,11 @@ def _time_case(methods: Methods, a: argparse.Namespace, ref: Reference
 
 
 def link_rate(device: torch.device, nbytes: int, rounds: int = 3) -> float:
-    """Bytes per second one rank moves (sent + received) in an even ``all_to_all_single`` of ``nbytes``.
+    """Bytes per second one rank moves (sent + received) in an even all-to-all of ``nbytes``.
 
-    The all-to-all is the sparse path's own transport; its best round is the
-    link speed the byte floor is converted to time with.
+    The all-to-all is the sparse path's own (``exchange.all_to_all``: shared
+    memory between ranks of one host); its best round is the link speed the
+    byte floor is converted to time with.
     """
     n = dist.get_world_size()
     if n == 1 or nbytes <= 0:
@@ -359,7 +360,7 @@ def link_rate(device: torch.device, nbytes: int, rounds: int = 3) -> float:
     for _ in range(rounds + 1):
         dist.barrier()
         watch.start()
-        dist.all_to_all_single(recv, send)
+        all_to_all(recv, send, group=None)
         best = min(best, watch.stop())
     slowest = max(gather_floats(best))
     return 2 * (n - 1) * per_peer / slowest
