@@ -26,7 +26,7 @@ namespace sparsecomm {
 
 namespace {
 
-constexpr uint64_t kMagic = 0x73706373686d3031ULL;  // "spcshm01"
+constexpr uint64_t kMagicBase = 0x73706373686d3031ULL;  // "spcshm01"
 constexpr size_t kLine = 64;
 constexpr size_t kWhy = 256;
 constexpr double kCheckSeconds = 0.1;  // how often a waiting rank checks its peers are alive
@@ -72,6 +72,10 @@ struct ShmAllToAll::Channel {
   uint64_t total;                               // and its whole message's bytes
 };
 
+static_assert(std::atomic<uint64_t>::is_always_lock_free && std::atomic<uint32_t>::is_always_lock_free &&
+                  std::atomic<int32_t>::is_always_lock_free,
+              "the segment's counters must be lock-free atomics (shared between processes)");
+
 struct ShmAllToAll::Header {
   uint64_t magic;
   int32_t world;
@@ -81,6 +85,10 @@ struct ShmAllToAll::Header {
   std::atomic<int32_t> why_ready;    // 1 once `why` holds that rank's message
   char why[kWhy];
 };
+
+// Two builds whose segment layouts differ never open each other's segment.
+constexpr uint64_t kMagic = kMagicBase ^ (static_cast<uint64_t>(sizeof(ShmAllToAll::Header)) << 16) ^
+                            (static_cast<uint64_t>(sizeof(ShmAllToAll::Channel)) << 40);
 
 // Segment: Header | pids (int64 per rank) | per rank a line {doorbell, waiters} | channels | slots.
 namespace {
@@ -109,7 +117,7 @@ ShmAllToAll::ShmAllToAll(const std::string& path, bool create, int rank, int wor
   bells_ = lay.bells;
   channels_ = lay.channels;
   slots_ = lay.slots;
-  fd_ = ::open(path.c_str(), create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR, 0600);
+  fd_ = ::open(path.c_str(), (create ? (O_RDWR | O_CREAT | O_EXCL) : O_RDWR) | O_CLOEXEC, 0600);
   if (fd_ < 0) throw std::runtime_error("sparsecomm shm: cannot open " + path + ": " + std::strerror(errno));
   if (create) {
     // Reserve every page now: a tmpfs file extended with ftruncate alone would SIGBUS on a full /dev/shm.
@@ -132,6 +140,8 @@ ShmAllToAll::ShmAllToAll(const std::string& path, bool create, int rank, int wor
     throw std::runtime_error(std::string("sparsecomm shm: mmap failed: ") + std::strerror(errno));
   }
   base_ = static_cast<uint8_t*>(p);
+  ::close(fd_);  // the mapping keeps the segment
+  fd_ = -1;
   Header* h = reinterpret_cast<Header*>(base_);
   if (create) {
     // The file is zero-filled: counters start at 0. Fill the header, the magic last.
@@ -144,7 +154,6 @@ ShmAllToAll::ShmAllToAll(const std::string& path, bool create, int rank, int wor
   } else if (reinterpret_cast<std::atomic<uint64_t>*>(&h->magic)->load(std::memory_order_acquire) != kMagic ||
              h->world != world || h->slot_bytes != slot_bytes) {
     ::munmap(base_, size_);
-    ::close(fd_);
     base_ = nullptr;
     throw std::runtime_error("sparsecomm shm: " + path + " is not this group's segment");
   }
@@ -209,19 +218,22 @@ void ShmAllToAll::raise_peer_failure() const {
 void ShmAllToAll::run(const uint8_t* send, const std::vector<int64_t>& ssize, uint8_t* recv,
                       const std::vector<int64_t>& rsize, double timeout_seconds) {
   const int n = world_, me = rank_;
-  if (static_cast<int>(ssize.size()) != n || static_cast<int>(rsize.size()) != n)
-    throw std::invalid_argument("sparsecomm shm: one size per rank");
   if (failed()) raise_peer_failure();
+  // A caller's bad arguments fail the call on every rank too (the peers would otherwise wait for the timeout).
+  if (static_cast<int>(ssize.size()) != n || static_cast<int>(rsize.size()) != n)
+    fail("rank " + std::to_string(me) + " passed " + std::to_string(ssize.size()) + "/" +
+         std::to_string(rsize.size()) + " sizes to a shared-memory all-to-all of " + std::to_string(n) + " ranks");
   std::vector<int64_t> sdispl(n + 1, 0), rdispl(n + 1, 0);
   for (int j = 0; j < n; ++j) {
-    if (ssize[j] < 0 || rsize[j] < 0) throw std::invalid_argument("sparsecomm shm: negative size");
+    if (ssize[j] < 0 || rsize[j] < 0)
+      fail("rank " + std::to_string(me) + " passed a negative size to a shared-memory all-to-all");
     sdispl[j + 1] = sdispl[j] + ssize[j];
     rdispl[j + 1] = rdispl[j] + rsize[j];
   }
   if (ssize[me] != rsize[me])
     fail("rank " + std::to_string(me) + " sends itself " + std::to_string(ssize[me]) + " bytes but expects " +
          std::to_string(rsize[me]));
-  if (ssize[me]) std::memcpy(recv + rdispl[me], send + sdispl[me], ssize[me]);
+  if (ssize[me]) std::memmove(recv + rdispl[me], send + sdispl[me], ssize[me]);
   // Per peer: chunks still to post / take (an empty message is one empty chunk: it carries the total, checked).
   std::vector<int64_t> to_send(n, 0), to_take(n, 0), sent_bytes(n, 0), got_bytes(n, 0);
   std::vector<char> first(n, 1);
@@ -294,10 +306,11 @@ void ShmAllToAll::run(const uint8_t* send, const std::vector<int64_t>& ssize, ui
       next_check = t + kCheckSeconds;
       for (int j = 0; j < n; ++j) {
         if (j == me || (to_send[j] == 0 && to_take[j] == 0)) continue;
-        // A peer may post its last chunk and exit: what it left in the slot still arrives.
+        if (process_alive(pids[j])) continue;
+        // Dead, but it may have posted its last chunk before exiting: what it left in the slot still arrives.
+        // (Read after the liveness check: a dead process posts nothing more, so this cannot race.)
         if (to_take[j] > 0 && channel(j, me).posted.load(std::memory_order_acquire) > taken_[j]) continue;
-        if (!process_alive(pids[j]))
-          fail("rank " + std::to_string(j) + " (pid " + std::to_string(pids[j]) +
+        fail("rank " + std::to_string(j) + " (pid " + std::to_string(pids[j]) +
                ") exited during a shared-memory all-to-all with rank " + std::to_string(me));
       }
     }

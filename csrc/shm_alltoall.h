@@ -45,9 +45,11 @@ class ShmAllToAll {
   uint64_t bytes() const { return size_; }
   bool failed() const;
 
- private:
+  // The segment's layout (shared with other processes; defined in the .cpp).
   struct Channel;
   struct Header;
+
+ private:
   Channel& channel(int src, int dst) const;
   uint8_t* slot(int src, int dst) const;
   std::atomic<uint32_t>& doorbell(int r) const;

@@ -24,11 +24,13 @@ from sparsecomm.collectives.exchange import all_to_all
 from distributed import run_ranks
 
 
-def _splits(gen: torch.Generator, n: int, big: int) -> torch.Tensor:
-    """[src, dst] rows: uneven, some empty, now and then larger than a slot (several chunks)."""
+def _splits(gen: torch.Generator, n: int, slot_rows: int) -> torch.Tensor:
+    """[src, dst] rows: uneven, some empty, now and then several slots' worth (chunks: 2.5 slots, or exactly
+    one or two slots)."""
     rows = torch.randint(0, 40, (n, n), generator=gen)
     rows[torch.rand(n, n, generator=gen) < 0.25] = 0
-    if torch.rand(1, generator=gen).item() < 0.3:
+    if torch.rand(1, generator=gen).item() < 0.4:
+        big = [slot_rows * 5 // 2, slot_rows, 2 * slot_rows][int(torch.randint(0, 3, (1,), generator=gen))]
         rows[torch.randint(0, n, (1,), generator=gen), torch.randint(0, n, (1,), generator=gen)] = big
     return rows
 
@@ -38,10 +40,9 @@ def _against_gloo_worker(rank, world):
     checked = 0
     for call in range(40):
         dtype = [torch.uint8, torch.int64, torch.float32, torch.float16, torch.bfloat16, torch.float64][call % 6]
-        width = 1 + call % 5
+        width = [1, 2, 4, 8, 16][call % 5]   # row sizes that divide the slot: exact multiples happen
         row_bytes = width * torch.tensor([], dtype=dtype).element_size()
-        big = shm.slot_bytes(world) * 5 // (2 * row_bytes)   # 2.5 slots
-        rows = _splits(gen, world, big)
+        rows = _splits(gen, world, shm.slot_bytes(world) // row_bytes)
         send_splits, recv_splits = rows[rank].tolist(), rows[:, rank].tolist()
         values = torch.randn(sum(send_splits), width, generator=torch.Generator().manual_seed(call * 10 + rank))
         send = (values * 100).to(dtype)
@@ -57,8 +58,8 @@ def _against_gloo_worker(rank, world):
     all_to_all(got, send, group=None)
     assert torch.equal(got, torch.stack([torch.arange(rank * 6, rank * 6 + 6) + 1000 * r for r in range(world)]))
     assert shm.active(None)
-    leftovers = glob.glob(f"/dev/shm/sparsecomm-{os.getppid()}-*") + glob.glob("/dev/shm/sparsecomm-*")
-    mine = [p for p in leftovers if os.path.exists(p)]
+    # Rank 0 named the segment after its pid; it unlinked it once every rank had mapped it.
+    mine = glob.glob(f"/dev/shm/sparsecomm-{os.getpid()}-*") if rank == 0 else []
     return checked, mine
 
 
@@ -70,7 +71,13 @@ def test_shared_memory_all_to_all_moves_the_bytes_gloo_moves(world):
         assert leftovers == [], leftovers   # the segment is unlinked once every rank mapped it
 
 
-def _opt_out_worker(rank, world):
+def _opt_out_worker(rank, world, off_on=None, broken_on=None):
+    if rank == off_on:
+        os.environ[shm.ENV_VAR] = "0"
+    if rank == broken_on:
+        def cannot_map(*args):
+            raise OSError("mmap failed (simulated)")
+        shm._make = cannot_map
     send = torch.arange(world * 3, dtype=torch.float32) + 100 * rank
     got = torch.empty_like(send)
     all_to_all(got, send, group=None)
@@ -80,10 +87,17 @@ def _opt_out_worker(rank, world):
 
 
 def test_one_rank_turning_it_off_keeps_every_rank_on_gloo():
-    results = run_ranks(3, _opt_out_worker, env={"SPARSECOMM_SHM": "0"})
-    assert results == {0: False, 1: False, 2: False}
+    assert run_ranks(3, _opt_out_worker, 1) == {0: False, 1: False, 2: False}
+    assert run_ranks(2, _opt_out_worker, None, None, env={"SPARSECOMM_SHM": "0"}) == {0: False, 1: False}
     # and on by default:
     assert run_ranks(2, _opt_out_worker) == {0: True, 1: True}
+
+
+@pytest.mark.parametrize("broken_on", [0, 2])
+def test_a_rank_that_cannot_set_it_up_keeps_every_rank_on_gloo(broken_on):
+    # Rank 0 failing to create the segment, or another rank failing to map it: all agree on gloo, and the
+    # all-to-all's result is still right (checked in the worker).
+    assert run_ranks(3, _opt_out_worker, None, broken_on) == {0: False, 1: False, 2: False}
 
 
 def _stalled_worker(rank, world):
@@ -151,3 +165,21 @@ def test_sizes_that_disagree_fail_the_call_on_every_rank():
     results = run_ranks(2, _mismatch_worker)
     assert "expected 4 bytes from rank 1, which sends 6" in results[0][0], results
     assert any("rank 0 failed" in e for e in results[1]), results
+
+
+def _leaves_after_last_call_worker(rank, world):
+    send = torch.arange(world * 4, dtype=torch.int64) + 100 * rank
+    got = torch.empty_like(send)
+    all_to_all(got, send, group=None)
+    time.sleep(0.5 * rank)   # rank 2 comes late to the last call
+    all_to_all(got, send, group=None)
+    if rank == 1:
+        os._exit(0)   # done with its last call: leaves at once (rank 0 still waits for rank 2)
+    return got.tolist()
+
+
+def test_a_peer_that_leaves_after_its_last_call_is_no_error():
+    results = run_ranks(3, _leaves_after_last_call_worker, expect_dead=True)
+    assert set(results) == {0, 2}, results
+    for rank, got in results.items():
+        assert got == [v for r in range(3) for v in range(rank * 4 + 100 * r, rank * 4 + 4 + 100 * r)], got

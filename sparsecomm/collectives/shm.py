@@ -13,7 +13,7 @@ filled and emptied chunk by chunk by the callers themselves (C++:
 - Set up on a group's first synchronous CPU all-to-all (collective: every rank
   of the group makes that call at the same point, as for any collective).
   Used only when every rank agrees: all on Linux, one host (same host name,
-  boot id and network namespace), ``SPARSECOMM_SHM`` not ``0`` on any rank, and every rank could
+  boot id, network and pid namespaces), ``SPARSECOMM_SHM`` not ``0`` on any rank, and every rank could
   map the segment; otherwise the group keeps gloo, decided the same on all.
 - The segment is a ``/dev/shm`` file that rank 0 creates with every page
   reserved (a full ``/dev/shm`` fails the set-up, not a later write) and
@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -46,7 +47,7 @@ ENV_VAR = "SPARSECOMM_SHM"
 # One slot per ordered pair of ranks; the segment stays within _MAX_SEGMENT (larger messages go in chunks).
 _SLOT_BYTES = 1 << 20
 _MIN_SLOT_BYTES = 64 << 10
-_MAX_SEGMENT = 64 << 20
+_MAX_SEGMENT = 48 << 20   # below Docker's default 64 MB /dev/shm, with room for others
 
 # Per process group (the object; WORLD for None): its transport, or None where the group keeps gloo.
 _TRANSPORTS: Dict[object, Optional[object]] = {}
@@ -57,23 +58,27 @@ def _key(group: Optional[dist.ProcessGroup]) -> object:
 
 
 def _host_id() -> str:
-    """This host as far as sharing memory goes: host name, boot id and network namespace (ranks in separate
-    network namespaces are emulated hosts, as in ``benchmarks/cluster.py``: their traffic must take the
-    emulated links, so they count as different hosts)."""
+    """This host as far as sharing memory goes: host name, boot id, network and pid namespaces (ranks in
+    separate network namespaces are emulated hosts, as in ``benchmarks/cluster.py``: their traffic must take
+    the emulated links, so they count as different hosts; ranks in separate pid namespaces could not check
+    that their peers are alive)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    try:
-        net = os.readlink("/proc/self/ns/net")
-    except OSError:
-        net = ""
-    return f"{os.uname().nodename}/{boot}/{net}"
+    spaces = []
+    for ns in ("net", "pid"):   # pid: a peer's pid must mean the same process here (its liveness is checked)
+        try:
+            spaces.append(os.readlink(f"/proc/self/ns/{ns}"))
+        except OSError:
+            spaces.append("")
+    return "/".join([os.uname().nodename, boot, *spaces])
 
 
 def slot_bytes(world: int) -> int:
-    """Bytes per channel slot for ``world`` ranks (1 MiB, less for large worlds; 64 KiB at least)."""
+    """Bytes per channel slot for ``world`` ranks (1 MiB; less for large worlds, so that the segment stays
+    within 48 MiB up to 27 ranks; 64 KiB at least)."""
     per_pair = _MAX_SEGMENT // max(1, world * world)
     return max(_MIN_SLOT_BYTES, min(_SLOT_BYTES, per_pair // 4096 * 4096))
 
@@ -105,21 +110,30 @@ def transport(group: Optional[dist.ProcessGroup]):
         path = f"/dev/shm/sparsecomm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         try:
             made = _make(path, True, me, n, slot)
-        except (RuntimeError, ValueError, OSError) as exc:
-            error, path = str(exc), None
+        except Exception as exc:  # noqa: BLE001 - any failure here must reach the peers as "no", not escape
+            error = str(exc)
+            if os.path.exists(path):
+                os.unlink(path)   # created, then could not be reserved or mapped
+            path = None
     paths: List[object] = [None] * n
     dist.all_gather_object(paths, path, group=group)
     path = paths[0]
     if path is not None and me != 0:
         try:
             made = _make(path, False, me, n, slot)
-        except (RuntimeError, ValueError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - as above
             error = str(exc)
-    oks: List[object] = [None] * n
-    dist.all_gather_object(oks, made is not None, group=group)
+    if made is None and error is None:
+        error = "rank 0 could not create the segment"
+    errors: List[object] = [None] * n
+    dist.all_gather_object(errors, error if made is None else None, group=group)
     if me == 0 and path is not None:
         os.unlink(path)  # every rank has it mapped (or gave up): nothing stays in /dev/shm
-    if not all(oks):
+    failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    if failed is not None:
+        if me == 0:
+            warnings.warn(f"sparsecomm: the shared-memory all-to-all is unavailable on this group (rank {failed[0]}: "
+                          f"{failed[1]}); its all-to-alls use gloo", RuntimeWarning, stacklevel=3)
         return None
     _TRANSPORTS[key] = made
     return made
@@ -138,7 +152,7 @@ def _split_bytes(t: torch.Tensor, splits: Optional[List[int]], n: int) -> List[i
         if rows % n:
             raise ValueError(f"all_to_all: {rows} rows do not split evenly over {n} ranks")
         return [rows // n * row_bytes] * n
-    if len(splits) != n or sum(splits) != rows:
+    if len(splits) != n or sum(splits) != rows or min(splits) < 0:
         raise ValueError(f"all_to_all: splits {splits} do not cover {rows} rows over {n} ranks")
     return [int(s) * row_bytes for s in splits]
 
