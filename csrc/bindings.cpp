@@ -263,6 +263,21 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("send"), py::arg("send_bytes"), py::arg("recv"), py::arg("recv_bytes"),
            py::arg("timeout_seconds"))
+      .def("run_segments",
+           [](ShmAllToAll& s, const std::vector<std::vector<std::pair<uint64_t, int64_t>>>& send,
+              const std::vector<std::vector<std::pair<uint64_t, int64_t>>>& recv, double timeout_seconds) {
+             auto convert = [](const std::vector<std::vector<std::pair<uint64_t, int64_t>>>& lists) {
+               std::vector<std::vector<Segment>> out(lists.size());
+               for (size_t j = 0; j < lists.size(); ++j)
+                 for (const auto& [address, bytes] : lists[j]) out[j].push_back({address, bytes});
+               return out;
+             };
+             const auto s_segs = convert(send), r_segs = convert(recv);
+             py::gil_scoped_release release;
+             s.run_segments(s_segs, r_segs, timeout_seconds);
+           },
+           py::arg("send"), py::arg("recv"), py::arg("timeout_seconds"),
+           "Per peer, the (address, bytes) pieces of the message it gets / that lands here, in order.")
       .def_property_readonly("failed", &ShmAllToAll::failed)
       .def_property_readonly("bytes", &ShmAllToAll::bytes)
       .def_property_readonly("slot_bytes", &ShmAllToAll::slot_bytes);

@@ -215,25 +215,107 @@ void ShmAllToAll::raise_peer_failure() const {
                            " failed an all-to-all of this group (" + why + "); the group's all-to-all is broken");
 }
 
+namespace {
+
+// A walk through a peer's message laid out over segments.
+struct Cursor {
+  const std::vector<Segment>* segs;
+  size_t i = 0;
+  int64_t off = 0;
+  // Copies the next `len` bytes of the message out of the segments into `dst`.
+  void gather(uint8_t* dst, int64_t len) {
+    while (len > 0) {
+      const Segment& s = (*segs)[i];
+      const int64_t take = std::min(len, s.len - off);
+      if (take > 0) std::memcpy(dst, reinterpret_cast<const uint8_t*>(s.ptr) + off, take);
+      dst += take;
+      len -= take;
+      off += take;
+      if (off == s.len) ++i, off = 0;
+    }
+  }
+  // Copies `len` bytes from `src` into the next bytes of the message's segments.
+  void scatter(const uint8_t* src, int64_t len) {
+    while (len > 0) {
+      const Segment& s = (*segs)[i];
+      const int64_t put = std::min(len, s.len - off);
+      if (put > 0) std::memcpy(reinterpret_cast<uint8_t*>(s.ptr) + off, src, put);
+      src += put;
+      len -= put;
+      off += put;
+      if (off == s.len) ++i, off = 0;
+    }
+  }
+};
+
+int64_t total_bytes(const std::vector<Segment>& segs, bool& bad) {
+  int64_t total = 0;
+  for (const Segment& s : segs) {
+    if (s.len < 0) bad = true;
+    total += s.len;
+  }
+  return total;
+}
+
+}  // namespace
+
 void ShmAllToAll::run(const uint8_t* send, const std::vector<int64_t>& ssize, uint8_t* recv,
                       const std::vector<int64_t>& rsize, double timeout_seconds) {
+  std::vector<std::vector<Segment>> s(ssize.size()), r(rsize.size());
+  uint64_t at = 0;
+  for (size_t j = 0; j < ssize.size(); ++j) {
+    s[j].push_back({reinterpret_cast<uint64_t>(send) + at, ssize[j]});
+    at += static_cast<uint64_t>(std::max<int64_t>(0, ssize[j]));
+  }
+  at = 0;
+  for (size_t j = 0; j < rsize.size(); ++j) {
+    r[j].push_back({reinterpret_cast<uint64_t>(recv) + at, rsize[j]});
+    at += static_cast<uint64_t>(std::max<int64_t>(0, rsize[j]));
+  }
+  run_segments(s, r, timeout_seconds);
+}
+
+void ShmAllToAll::run_segments(const std::vector<std::vector<Segment>>& send,
+                               const std::vector<std::vector<Segment>>& recv, double timeout_seconds) {
   const int n = world_, me = rank_;
   if (failed()) raise_peer_failure();
   // A caller's bad arguments fail the call on every rank too (the peers would otherwise wait for the timeout).
-  if (static_cast<int>(ssize.size()) != n || static_cast<int>(rsize.size()) != n)
-    fail("rank " + std::to_string(me) + " passed " + std::to_string(ssize.size()) + "/" +
-         std::to_string(rsize.size()) + " sizes to a shared-memory all-to-all of " + std::to_string(n) + " ranks");
-  std::vector<int64_t> sdispl(n + 1, 0), rdispl(n + 1, 0);
+  if (static_cast<int>(send.size()) != n || static_cast<int>(recv.size()) != n)
+    fail("rank " + std::to_string(me) + " passed " + std::to_string(send.size()) + "/" +
+         std::to_string(recv.size()) + " messages to a shared-memory all-to-all of " + std::to_string(n) + " ranks");
+  std::vector<int64_t> ssize(n), rsize(n);
+  bool bad = false;
   for (int j = 0; j < n; ++j) {
-    if (ssize[j] < 0 || rsize[j] < 0)
-      fail("rank " + std::to_string(me) + " passed a negative size to a shared-memory all-to-all");
-    sdispl[j + 1] = sdispl[j] + ssize[j];
-    rdispl[j + 1] = rdispl[j] + rsize[j];
+    ssize[j] = total_bytes(send[j], bad);
+    rsize[j] = total_bytes(recv[j], bad);
   }
+  if (bad) fail("rank " + std::to_string(me) + " passed a negative size to a shared-memory all-to-all");
   if (ssize[me] != rsize[me])
     fail("rank " + std::to_string(me) + " sends itself " + std::to_string(ssize[me]) + " bytes but expects " +
          std::to_string(rsize[me]));
-  if (ssize[me]) std::memmove(recv + rdispl[me], send + sdispl[me], ssize[me]);
+  std::vector<Cursor> out(n), in(n);
+  for (int j = 0; j < n; ++j) {
+    out[j].segs = &send[j];
+    in[j].segs = &recv[j];
+  }
+  {  // this rank's own message: segment to segment (the lists may cut it differently)
+    Cursor& from = out[me];
+    Cursor& to = in[me];
+    int64_t left = ssize[me];
+    while (left > 0) {
+      const Segment& a = send[me][from.i];
+      const Segment& b = recv[me][to.i];
+      const int64_t len = std::min({left, a.len - from.off, b.len - to.off});
+      if (len > 0)
+        std::memmove(reinterpret_cast<uint8_t*>(b.ptr) + to.off, reinterpret_cast<const uint8_t*>(a.ptr) + from.off,
+                     len);
+      left -= len;
+      from.off += len;
+      to.off += len;
+      if (from.off == a.len) ++from.i, from.off = 0;
+      if (to.off == b.len) ++to.i, to.off = 0;
+    }
+  }
   // Per peer: chunks still to post / take (an empty message is one empty chunk: it carries the total, checked).
   std::vector<int64_t> to_send(n, 0), to_take(n, 0), sent_bytes(n, 0), got_bytes(n, 0);
   std::vector<char> first(n, 1);
@@ -259,7 +341,7 @@ void ShmAllToAll::run(const uint8_t* send, const std::vector<int64_t>& ssize, ui
         Channel& c = channel(me, j);
         if (c.taken.load(std::memory_order_acquire) == sent_[j]) {
           const int64_t len = std::min<int64_t>(static_cast<int64_t>(slot_), ssize[j] - sent_bytes[j]);
-          if (len) std::memcpy(slot(me, j), send + sdispl[j] + sent_bytes[j], len);
+          if (len) out[j].gather(slot(me, j), len);
           c.bytes = static_cast<uint64_t>(len);
           c.total = static_cast<uint64_t>(ssize[j]);
           c.posted.store(++sent_[j], std::memory_order_release);
@@ -282,7 +364,7 @@ void ShmAllToAll::run(const uint8_t* send, const std::vector<int64_t>& ssize, ui
           }
           if (len < 0 || len > static_cast<int64_t>(slot_) || got_bytes[j] + len > rsize[j])
             fail("rank " + std::to_string(me) + " got a malformed chunk from rank " + std::to_string(j));
-          if (len) std::memcpy(recv + rdispl[j] + got_bytes[j], slot(j, me), len);
+          if (len) in[j].scatter(slot(j, me), len);
           got_bytes[j] += len;
           c.taken.store(++taken_[j], std::memory_order_release);
           if (--to_take[j] == 0) --pending;
@@ -332,6 +414,8 @@ ShmAllToAll::ShmAllToAll(const std::string&, bool, int, int, uint64_t) {
 }
 ShmAllToAll::~ShmAllToAll() {}
 void ShmAllToAll::run(const uint8_t*, const std::vector<int64_t>&, uint8_t*, const std::vector<int64_t>&, double) {}
+void ShmAllToAll::run_segments(const std::vector<std::vector<Segment>>&, const std::vector<std::vector<Segment>>&,
+                               double) {}
 bool ShmAllToAll::failed() const { return true; }
 
 #endif

@@ -24,6 +24,12 @@
 
 namespace sparsecomm {
 
+// A piece of a message: `len` bytes at address `ptr`.
+struct Segment {
+  uint64_t ptr;
+  int64_t len;
+};
+
 class ShmAllToAll {
  public:
   // Creates (rank 0: `create`) or opens the segment at `path` (a /dev/shm file).
@@ -38,6 +44,12 @@ class ShmAllToAll {
   // rank has received everything and posted everything it sends.
   void run(const uint8_t* send, const std::vector<int64_t>& ssize, uint8_t* recv,
            const std::vector<int64_t>& rsize, double timeout_seconds);
+
+  // The same with each peer's message gathered from / scattered to a list of segments (send[j]: what goes
+  // to rank j, in order; recv[j]: where rank j's message lands), so that rows go between tensors and the
+  // slots without a staging buffer.
+  void run_segments(const std::vector<std::vector<Segment>>& send, const std::vector<std::vector<Segment>>& recv,
+                    double timeout_seconds);
 
   int rank() const { return rank_; }
   int world() const { return world_; }

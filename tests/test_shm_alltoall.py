@@ -183,3 +183,34 @@ def test_a_peer_that_leaves_after_its_last_call_is_no_error():
     assert set(results) == {0, 2}, results
     for rank, got in results.items():
         assert got == [v for r in range(3) for v in range(rank * 4 + 100 * r, rank * 4 + 4 + 100 * r)], got
+
+
+def _direct_worker(rank, world):
+    from sparsecomm.collectives.exchange import exchange_direct, exchange_tables
+
+    gen = torch.Generator().manual_seed(11)
+    slot_rows = shm.slot_bytes(world) // 256
+    for call in range(12):
+        # Several blocks of different widths and dtypes; counts uneven, some zero, now and then over a slot.
+        specs = [(torch.float32, (64,)), (torch.int64, (1,)), (torch.float16, (3, 5)), (torch.int64, ())]
+        blocks, send_counts, recv_counts = [], [], []
+        for b, (dtype, shape) in enumerate(specs[:1 + call % 4]):
+            counts = _splits(gen, world, slot_rows)   # [src, dst]
+            send_counts.append(counts[rank].tolist())
+            recv_counts.append(counts[:, rank].tolist())
+            n = sum(send_counts[-1])
+            blocks.append([(torch.randn(n, *shape, generator=torch.Generator().manual_seed(call * 97 + b * 7 + rank))
+                            * 50).to(dtype)])
+        got = exchange_direct(blocks, send_counts, recv_counts, None, torch.device("cpu"))
+        want = exchange_tables(blocks, send_counts, recv_counts, [False] * len(blocks), None, torch.device("cpu"))
+        for g, w in zip(got, want):
+            assert g[0].dtype == w[0].dtype and g[0].shape == w[0].shape, (call, g[0].shape, w[0].shape)
+            assert torch.equal(g[0].view(torch.uint8), w[0].view(torch.uint8)), call
+    return shm.active(None)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rows_straight_between_tensors_and_slots_equal_the_packed_exchange(world):
+    # exchange_direct (the sharded lookups' exchange: no staging buffers on the shared-memory transport)
+    # against exchange_tables (packed send buffer, unpacked receive buffer) on the same blocks.
+    assert run_ranks(world, _direct_worker) == {r: True for r in range(world)}

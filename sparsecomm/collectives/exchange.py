@@ -30,7 +30,7 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 __all__ = ["all_gather_single", "all_to_all", "all_to_all_calls", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes",
            "count_copied",
            "wire_buffers", "wire_row_bytes", "all_to_all_rows", "exchange_counts", "Gathered", "Reduce",
-           "exchange_tables", "push_to_owners", "allgather_rows"]
+           "exchange_tables", "exchange_direct", "push_to_owners", "allgather_rows"]
 
 
 # Per group, the work objects of its last few all-to-alls, referenced from Python after the calls returned.
@@ -358,6 +358,46 @@ def exchange_tables(blocks: Sequence[Sequence[Rows]], send_counts: Sequence[Sequ
             count_copied(stats[b], at)
             got.append(rows)
         out.append(got)
+    return out
+
+
+def exchange_direct(blocks: Sequence[Sequence[torch.Tensor]], send_counts: Sequence[Sequence[int]],
+                    recv_counts: Sequence[Sequence[int]], group: Optional[dist.ProcessGroup],
+                    device: torch.device) -> List[List[torch.Tensor]]:
+    """:func:`exchange_tables` for plain row tensors (no ``repeat``, no ``reduce``), without staging buffers
+    where it can.
+
+    On a group with the shared-memory transport (:mod:`sparsecomm.collectives.shm`) each peer's rows go
+    from the tensors straight into the slots and out of the slots straight into the results: two copies
+    of every row fewer than packing a send buffer and unpacking a receive buffer. Elsewhere it is
+    :func:`exchange_tables`. Either way the result is the same: per block, its tensors' received rows in
+    source-rank order (fresh tensors). The counts must already be validated, as for :func:`exchange_tables`.
+    """
+    fast = shm.transport(group) if device.type == "cpu" else None
+    if fast is None or any(t.device.type != "cpu" for block in blocks for t in block):
+        return exchange_tables(blocks, send_counts, recv_counts, [False] * len(blocks), group, device)
+    n = dist.get_world_size(group)
+    send: List[List[Tuple[int, int]]] = [[] for _ in range(n)]
+    recv: List[List[Tuple[int, int]]] = [[] for _ in range(n)]
+    keep, out = [], []
+    # Every peer's message: block 0's rows of each of its tensors, then block 1's, ... (no padding: nothing
+    # is read in place), the same order on both sides.
+    for b, block in enumerate(blocks):
+        got = []
+        for t in block:
+            src = t.contiguous()
+            keep.append(src)
+            w = _wire_width(src)
+            rows = torch.empty((sum(recv_counts[b]), *src.shape[1:]), dtype=src.dtype, device=device)
+            for segs, counts, base in ((send, send_counts[b], src.data_ptr()), (recv, recv_counts[b], rows.data_ptr())):
+                at = 0
+                for j in range(n):
+                    segs[j].append((base + at, counts[j] * w))
+                    at += counts[j] * w
+            got.append(rows)
+        out.append(got)
+    _CALLS[0] += 1
+    shm.run_segments(fast, send, recv, group)
     return out
 
 

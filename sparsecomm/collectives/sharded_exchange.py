@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.exchange import (all_to_all, all_to_all_rows, allgather_rows, count_bytes, exchange_tables,
+from sparsecomm.collectives.exchange import (all_to_all, all_to_all_rows, allgather_rows, count_bytes, exchange_direct,
                                             wire_index_dtype, wire_row_bytes)
 from sparsecomm.collectives.groups import comm_device, twin_group
 from sparsecomm.types import SparseSyncStats
@@ -617,7 +617,7 @@ def _exchange_blocks(blocks: List[torch.Tensor], send: Sequence[Sequence[int]], 
     widths = [wire_row_bytes(b) for b in blocks]
     count_bytes(stats, [sum(s[j] * w for s, w in zip(send, widths)) for j in range(n)],
                 [sum(r[j] * w for r, w in zip(recv, widths)) for j in range(n)], me, None)
-    out = exchange_tables([[b.contiguous()] for b in blocks], send, recv, [False] * len(blocks), group, dev)
+    out = exchange_direct([[b.contiguous()] for b in blocks], send, recv, group, dev)
     return [o[0].to(home) for o in out]
 
 

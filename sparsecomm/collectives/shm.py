@@ -33,14 +33,14 @@ import os
 import sys
 import uuid
 import warnings
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sparsecomm.collectives.groups import group_timeout
 
-__all__ = ["ENV_VAR", "transport", "run", "active"]
+__all__ = ["ENV_VAR", "transport", "run", "run_segments", "active"]
 
 # "0" turns the shared-memory all-to-all off (on any rank: then on every rank of the group).
 ENV_VAR = "SPARSECOMM_SHM"
@@ -157,15 +157,27 @@ def _split_bytes(t: torch.Tensor, splits: Optional[List[int]], n: int) -> List[i
     return [int(s) * row_bytes for s in splits]
 
 
+def _seconds(group: Optional[dist.ProcessGroup]) -> float:
+    timeout = group_timeout(group)
+    return timeout.total_seconds() if timeout is not None else 1800.0
+
+
 def run(shm, recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[List[int]],
         send_splits: Optional[List[int]], group: Optional[dist.ProcessGroup]) -> None:
     """``all_to_all_single(recv, send, recv_splits, send_splits)`` through ``shm`` (CPU tensors)."""
     n = dist.get_world_size(group)
     s_bytes, r_bytes = _split_bytes(send, send_splits, n), _split_bytes(recv, recv_splits, n)
-    timeout = group_timeout(group)
-    seconds = timeout.total_seconds() if timeout is not None else 1800.0
+    seconds = _seconds(group)
     src = send.contiguous()
     dst = recv if recv.is_contiguous() else torch.empty_like(recv, memory_format=torch.contiguous_format)
     shm.run(src.data_ptr(), s_bytes, dst.data_ptr(), r_bytes, seconds)
     if dst is not recv:
         recv.copy_(dst)
+
+
+def run_segments(shm, send: List[List[Tuple[int, int]]], recv: List[List[Tuple[int, int]]],
+                 group: Optional[dist.ProcessGroup]) -> None:
+    """One all-to-all through ``shm`` whose messages are lists of ``(address, bytes)`` pieces: ``send[j]``
+    what goes to rank j, in order; ``recv[j]`` where rank j's message lands. The caller keeps the memory
+    alive and writable for the call."""
+    shm.run_segments(send, recv, _seconds(group))
