@@ -55,8 +55,8 @@ def test_allreduce_self_spawn_checks_every_size(tmp_path):
     out = _bench(["allreduce", "--nproc", "2", *TINY_DENSE, "--json", str(js), "--csv", str(cs)])
     assert out.returncode == 0, _fail(out)
     rows = _rows(js)
-    assert {r["op"] for r in rows} == {"allreduce", "allgather", "alltoall"}
-    assert len(rows) == 3 * 3  # 8B, 256B, 8KB (64K is not reached by x32 steps from 8... 8*32^3=256K)
+    assert {r["op"] for r in rows} == {"allreduce", "allgather", "alltoall", "sc_alltoall"}
+    assert len(rows) == 4 * 3  # 8B, 256B, 8KB (64K is not reached by x32 steps from 8... 8*32^3=256K)
     for r in rows:
         assert DENSE_COLS <= set(r), r
         assert r["#wrong"] == 0 and r["world"] == 2 and r["time_us"] > 0
