@@ -155,11 +155,15 @@ def topology() -> Topology:
 
 
 def shutdown() -> None:
-    """Leave cleanly: a barrier first (gloo intermittently aborts at exit without it), then destroy."""
+    """Leave cleanly: a barrier first (gloo intermittently aborts at exit without it), then destroy every group,
+    and forget the library's cached ones (they would keep gloo's threads alive into interpreter shutdown)."""
     global _topology
+    from sparsecomm.collectives import groups  # groups imports this module
+
     if dist.is_initialized():
         try:
             dist.barrier()
         finally:
             dist.destroy_process_group()
+            groups.forget()
     _topology = None

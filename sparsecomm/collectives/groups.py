@@ -18,7 +18,7 @@ import torch.distributed as dist
 from sparsecomm.collectives.bootstrap import detect_launcher
 
 __all__ = ["group_ranks", "group_timeout", "comm_device", "env_local_world_size", "node_groups", "twin_group",
-           "run_async"]
+           "run_async", "forget"]
 
 # Keyed by the group object itself (None: the default group), never by its
 # ranks: a group and its twin have the same ranks but must not share subgroups.
@@ -91,6 +91,19 @@ def node_groups(group: Optional[dist.ProcessGroup], local_world_size: int
                 cross = g
         _node_groups[key] = (local, cross)
         return local, cross
+
+
+def forget() -> None:
+    """Drop the cached node groups and twins (after ``destroy_process_group``, which destroyed them).
+
+    Held here they would outlive it: a later ``init_process_group`` would get
+    the old twins back, and a gloo group alive at interpreter shutdown keeps
+    its threads running there, where one releasing a finished collective's
+    tensors aborts the process.
+    """
+    with _lock:
+        _node_groups.clear()
+        _twins.clear()
 
 
 def twin_group(group: Optional[dist.ProcessGroup], purpose: str = "async") -> dist.ProcessGroup:

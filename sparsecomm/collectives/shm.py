@@ -33,7 +33,8 @@ import os
 import sys
 import uuid
 import warnings
-from typing import Dict, List, Optional, Tuple
+import weakref
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,8 +50,10 @@ _SLOT_BYTES = 1 << 20
 _MIN_SLOT_BYTES = 64 << 10
 _MAX_SEGMENT = 48 << 20   # below Docker's default 64 MB /dev/shm, with room for others
 
-# Per process group (the object; WORLD for None): its transport, or None where the group keeps gloo.
-_TRANSPORTS: Dict[object, Optional[object]] = {}
+# Per process group (the object; WORLD for None): its transport, or None where the group keeps gloo. Weak keys:
+# holding a group here would keep it (and gloo's threads) alive past destroy_process_group, into interpreter
+# shutdown, where a gloo thread releasing a finished collective's tensors aborts the process.
+_TRANSPORTS: "weakref.WeakKeyDictionary[object, Optional[object]]" = weakref.WeakKeyDictionary()
 
 
 def _key(group: Optional[dist.ProcessGroup]) -> object:
@@ -77,9 +80,9 @@ def _host_id() -> str:
 
 
 def slot_bytes(world: int) -> int:
-    """Bytes per channel slot for ``world`` ranks (1 MiB; less for large worlds, so that the segment stays
-    within 48 MiB up to 27 ranks; 64 KiB at least)."""
-    per_pair = _MAX_SEGMENT // max(1, world * world)
+    """Bytes per channel slot for ``world`` ranks (1 MiB; less for large worlds, so that the segment's
+    ``world * (world - 1)`` slots stay within 48 MiB up to 28 ranks; 64 KiB at least)."""
+    per_pair = _MAX_SEGMENT // max(1, world * (world - 1))
     return max(_MIN_SLOT_BYTES, min(_SLOT_BYTES, per_pair // 4096 * 4096))
 
 
