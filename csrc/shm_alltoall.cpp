@@ -90,17 +90,19 @@ struct ShmAllToAll::Header {
 constexpr uint64_t kMagic = kMagicBase ^ (static_cast<uint64_t>(sizeof(ShmAllToAll::Header)) << 16) ^
                             (static_cast<uint64_t>(sizeof(ShmAllToAll::Channel)) << 40);
 
-// Segment: Header | pids (int64 per rank) | per rank a line {doorbell, waiters} | channels | slots.
+// Segment: Header | pids (int64 per rank) | per rank a line {doorbell, waiters} | channels | a slot per ordered
+// pair of distinct ranks.
 namespace {
 struct Layout {
   size_t pids, bells, channels, slots, size;
   Layout(int world, uint64_t slot, size_t header, size_t channel) {
     const size_t pairs = static_cast<size_t>(world) * world;
+    const size_t peer_pairs = static_cast<size_t>(world) * (world - 1);  // a rank copies to itself directly
     pids = align_up(header, kLine);
     bells = align_up(pids + 8 * static_cast<size_t>(world), kLine);
     channels = bells + kLine * world;
     slots = align_up(channels + channel * pairs, 4096);
-    size = slots + pairs * slot;
+    size = slots + peer_pairs * slot;
   }
 };
 }  // namespace
@@ -171,7 +173,9 @@ ShmAllToAll::Channel& ShmAllToAll::channel(int src, int dst) const {
 }
 
 uint8_t* ShmAllToAll::slot(int src, int dst) const {
-  return base_ + slots_ + (static_cast<size_t>(src) * world_ + dst) * slot_;
+  // Slots of the ordered pairs of distinct ranks: src's n-1 slots, dst in rank order skipping src.
+  const size_t k = static_cast<size_t>(src) * (world_ - 1) + static_cast<size_t>(dst < src ? dst : dst - 1);
+  return base_ + slots_ + k * slot_;
 }
 
 std::atomic<uint32_t>& ShmAllToAll::doorbell(int r) const {
