@@ -1,7 +1,8 @@
 """Row exchanges between ranks: push rows to their owners, share owned rows with all.
 
-Everything travels as bytes (uint8) through ``all_to_all_single`` with uneven
-splits: gloo's all-to-all has no int16 and no half-precision reductions are
+Everything travels as bytes (uint8) through one all-to-all with uneven splits
+(:func:`all_to_all`: gloo's ``all_to_all_single``, or shared memory between
+ranks of one host): gloo's all-to-all has no int16 and no half-precision reductions are
 needed in transit, so one code path serves every dtype.
 
 Rows are copied once on each side, at most: packed straight into the reused
@@ -373,8 +374,10 @@ def exchange_direct(blocks: Sequence[Sequence[torch.Tensor]], send_counts: Seque
     :func:`exchange_tables`. Either way the result is the same: per block, its tensors' received rows in
     source-rank order (fresh tensors). The counts must already be validated, as for :func:`exchange_tables`.
     """
+    # The path depends only on the group and the exchange device (the same on every rank): the two lay a
+    # message out differently (exchange_tables pads every region to 8 bytes).
     fast = shm.transport(group) if device.type == "cpu" else None
-    if fast is None or any(t.device.type != "cpu" for block in blocks for t in block):
+    if fast is None:
         return exchange_tables(blocks, send_counts, recv_counts, [False] * len(blocks), group, device)
     n = dist.get_world_size(group)
     send: List[List[Tuple[int, int]]] = [[] for _ in range(n)]
@@ -385,7 +388,10 @@ def exchange_direct(blocks: Sequence[Sequence[torch.Tensor]], send_counts: Seque
     for b, block in enumerate(blocks):
         got = []
         for t in block:
-            src = t.contiguous()
+            src = t.to(device).contiguous()
+            if sum(send_counts[b]) != (src.shape[0] if src.dim() else 1):
+                raise ValueError(f"exchange_direct: block {b} sends {sum(send_counts[b])} rows but holds "
+                                 f"{src.shape[0] if src.dim() else 1}")
             keep.append(src)
             w = _wire_width(src)
             rows = torch.empty((sum(recv_counts[b]), *src.shape[1:]), dtype=src.dtype, device=device)

@@ -104,6 +104,7 @@ def forget() -> None:
     with _lock:
         _node_groups.clear()
         _twins.clear()
+        _runners.clear()   # keyed by groups; their idle daemon threads hold nothing else
 
 
 def twin_group(group: Optional[dist.ProcessGroup], purpose: str = "async") -> dist.ProcessGroup:
