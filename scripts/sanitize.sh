@@ -69,7 +69,8 @@ status=0
   "$root/tests/test_ops.py" \
   "$root/tests/test_sharded_peers.py::test_bad_counts_and_ids_from_one_peer_raise_on_every_rank" \
   "$root/tests/test_shm_alltoall.py::test_shared_memory_all_to_all_moves_the_bytes_gloo_moves" \
-  "$root/tests/test_shm_alltoall.py::test_sizes_that_disagree_fail_the_call_on_every_rank" "$@" \
+  "$root/tests/test_shm_alltoall.py::test_sizes_that_disagree_fail_the_call_on_every_rank" \
+  "$root/tests/test_shm_alltoall.py::test_rows_straight_between_tensors_and_slots_equal_the_packed_exchange" "$@" \
   2>&1 | tee "$logs/pytest.log" || status=$?
 if grep -qE "ERROR: AddressSanitizer|AddressSanitizer: CHECK failed|runtime error:|UndefinedBehaviorSanitizer" \
     "$logs/pytest.log"; then

@@ -178,24 +178,45 @@ def test_a_peer_that_leaves_after_its_last_call_is_no_error():
 def _direct_worker(rank, world):
     from sparsecomm.collectives.exchange import exchange_direct, exchange_tables
 
+    calls = [0]
+    real = shm.run_segments
+
+    def counting(*args):
+        calls[0] += 1
+        return real(*args)
+
+    shm.run_segments = counting   # the direct path, not exchange_tables, must carry every call below
     gen = torch.Generator().manual_seed(11)
     slot_rows = shm.slot_bytes(world) // 256
     for call in range(12):
-        # Several blocks of different widths and dtypes; counts uneven, some zero, now and then over a slot.
-        specs = [(torch.float32, (64,)), (torch.int64, (1,)), (torch.float16, (3, 5)), (torch.int64, ())]
+        # Several blocks of different widths and dtypes (1-D int16 ids, odd row sizes, a non-contiguous one);
+        # counts uneven, some zero, now and then over a slot.
+        specs = [(torch.float32, (64,)), (torch.int16, ()), (torch.float16, (3, 5)), (torch.int64, (1,)),
+                 (torch.float64, (7,))]
         blocks, send_counts, recv_counts = [], [], []
-        for b, (dtype, shape) in enumerate(specs[:1 + call % 4]):
+        for b, (dtype, shape) in enumerate(specs[:1 + call % 5]):
             counts = _splits(gen, world, slot_rows)   # [src, dst]
             send_counts.append(counts[rank].tolist())
             recv_counts.append(counts[:, rank].tolist())
             n = sum(send_counts[-1])
-            blocks.append([(torch.randn(n, *shape, generator=torch.Generator().manual_seed(call * 97 + b * 7 + rank))
-                            * 50).to(dtype)])
+            rows = (torch.randn(n, *shape, generator=torch.Generator().manual_seed(call * 97 + b * 7 + rank))
+                    * 50).to(dtype)
+            if dtype == torch.float64:   # a column slice: not contiguous
+                rows = torch.cat([rows, rows], dim=1)[:, ::2]
+            blocks.append([rows])
         got = exchange_direct(blocks, send_counts, recv_counts, None, torch.device("cpu"))
         want = exchange_tables(blocks, send_counts, recv_counts, [False] * len(blocks), None, torch.device("cpu"))
         for g, w in zip(got, want):
             assert g[0].dtype == w[0].dtype and g[0].shape == w[0].shape, (call, g[0].shape, w[0].shape)
             assert torch.equal(g[0].view(torch.uint8), w[0].view(torch.uint8)), call
+    assert calls[0] == 12, calls
+    # A caller's counts that do not match its rows are refused before anything is read past them.
+    try:
+        exchange_direct([[torch.zeros(3, 4)]], [[2] * world], [[2] * world], None, torch.device("cpu"))
+    except ValueError as exc:
+        assert "sends" in str(exc)
+    else:
+        raise AssertionError("no ValueError")
     return shm.active(None)
 
 
