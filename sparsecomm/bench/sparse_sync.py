@@ -33,7 +33,8 @@ bytes of count and of max-nnz padded int64 ids and values, padding included;
 + received, with r = d b + the id's bytes on the wire, k this rank's distinct
 rows and U the union. ``inter_MB`` is what crosses between emulated nodes.
 ``floor_ms`` is the floor at the link speed measured first (the slowest
-rank's best even ``all_to_all_single`` of ``--link-bytes``, sent + received),
+rank's best even all-to-all of ``--link-bytes`` through sparsecomm's own
+transport, sent + received),
 ``time_vs_floor`` the measured time over it: what latency and compute add.
 
 The default table shows, per method, ``time_ms``, ``vs_best_peer``,

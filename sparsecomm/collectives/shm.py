@@ -3,7 +3,7 @@
 gloo's all-to-all goes through TCP sockets and two threads of its own per
 process. Inside a training step on a busy host every hand-off between those
 threads waits for a core: a 256 KB all-to-all between two ranks costs
-0.7-1 ms there, against 20 us of copying (``docs/DESIGN.md``, "Shared-memory
+0.55-0.8 ms median (1.0-1.2 ms mean) there, against ~20 us of copying (``docs/DESIGN.md``, "Shared-memory
 all-to-all"). When every rank of a gloo group runs on the same host, the
 library's synchronous all-to-alls (:func:`sparsecomm.collectives.exchange.all_to_all`)
 go through one shared segment instead: a slot per ordered pair of ranks,
