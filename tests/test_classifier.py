@@ -256,5 +256,51 @@ def test_link_probe_is_the_same_on_every_rank():
     hosts, pairs, lat_bytes = res[0]
     assert all(res[r] == res[0] for r in res)  # the slowest rank's numbers, everywhere
     assert hosts.ranks_per_host == 2 and hosts.pair_latency_s is None and hosts.latency_s > 0
-    assert pairs.ranks_per_host == 1 and 0 < pairs.pair_latency_s <= pairs.latency_s
+    # One host: all-to-alls go through shared memory, so gloo's own collectives are timed too (and cost more).
+    assert hosts.backend_latency_s is not None and hosts.backend_latency_s >= hosts.latency_s
+    assert pairs.ranks_per_host == 1 and 0 < pairs.pair_latency_s <= pairs.backend_latency_s
     assert hosts.bytes_per_s > 0 and 1024 <= lat_bytes <= 1 << 26
+
+
+def _probe_gloo_worker(rank, world):
+    from sparsecomm.collectives.probe import measure_link
+
+    return measure_link(None, large_bytes=1 << 16).backend_latency_s
+
+
+def test_the_probe_times_the_backend_only_when_all_to_alls_bypass_it():
+    assert all(v is not None and v > 0 for v in run_ranks(2, _probe_gloo_worker).values())
+    assert run_ranks(2, _probe_gloo_worker, env={"SPARSECOMM_SHM": "0"}) == {0: None, 1: None}
+
+
+def test_gloo_collectives_are_priced_at_their_own_latency_when_all_to_alls_are_faster():
+    from sparsecomm.hooks.classifier import latency_seconds
+
+    a2a, gloo = 3e-5, 1e-3   # shared-memory all-to-all; gloo's all-reduce (measured here: ~0.03 vs 0.3-3 ms)
+    assert latency_seconds(S.ALLGATHER, 4, a2a, backend_latency_s=gloo) == pytest.approx(2 * a2a)
+    assert latency_seconds(S.PARTITIONED, 4, a2a, backend_latency_s=gloo) == pytest.approx(4 * a2a)
+    # densify: its metadata all-to-all, then the table's and the mask's all-reduces on gloo
+    assert latency_seconds(S.DENSIFY, 4, a2a, backend_latency_s=gloo) == pytest.approx(a2a + 2 * gloo)
+    # torch (gloo's ring all-gathers) and the tree's pairwise stages: gloo hops, unless a pair was measured
+    assert latency_seconds(S.TORCH, 4, a2a, backend_latency_s=gloo) == pytest.approx(9 * gloo)
+    assert latency_seconds(S.TORCH, 4, a2a, 2e-4, backend_latency_s=gloo) == pytest.approx(9 * 2e-4)
+    assert latency_seconds(S.TREE, 8, a2a, backend_latency_s=gloo) == pytest.approx(2 * a2a + 6 * gloo)
+    # and choose_method sees it: on a small, sparse table the cheap all-to-all path wins over gloo's
+    d = choose_method(4, 100_000, 16, 4, 4, 50, 180, link=LinkProbe(a2a, 3e9, 1, None, gloo), fitted=False)
+    assert d.method is S.ALLGATHER, d.reason
+    assert "other collectives 1 ms" in d.reason, d.reason
+
+
+def test_a_dense_bucket_fuses_when_its_extra_bytes_cost_less_than_its_own_all_reduce():
+    from sparsecomm.hooks.state import SparseCommState
+
+    state = SparseCommState.__new__(SparseCommState)   # the decision alone: no process group needed
+    state.fuse_dense, state.compression, state.world_size, state.latency_bytes = True, None, 4, 64 * 1024
+    bucket = torch.zeros(64 * 1024)   # 256 KB: the fused exchange moves 3 x 256 KB against a ring's 1.5 x 256 KB
+    state.link = None
+    assert not state.fuses_dense(bucket)   # 384 KB extra > 64 KB of an all-to-all's latency
+    # All-to-alls through shared memory (30 us) but the bucket's own all-reduce on gloo (1 ms at 3 GB/s: 3 MB):
+    state.link = LinkProbe(3e-5, 3e9, 1, None, 1e-3)
+    assert state.fuses_dense(bucket)
+    state.link = LinkProbe(3e-5, 3e9, 1)   # no backend timing: priced as latency_bytes
+    assert not state.fuses_dense(bucket)

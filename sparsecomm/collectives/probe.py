@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sparsecomm.collectives import shm
 from sparsecomm.collectives.exchange import all_to_all
 from sparsecomm.collectives.groups import comm_device
 
@@ -39,13 +40,20 @@ class LinkProbe:
             rank's own bytes.
         ranks_per_host: the L the bytes were counted with.
         pair_latency_s: one tiny exchange between two ranks (a tree stage, a
-            ring hop); None: not measured (priced as ``latency_s``).
+            ring hop); None: not measured (priced as ``backend_latency_s``).
+        backend_latency_s: one tiny all-reduce on the group's backend, when
+            the group's all-to-alls take a faster transport than its other
+            collectives (shared memory on one host,
+            :mod:`sparsecomm.collectives.shm`): what densify's all-reduces and
+            gloo's ring hops (torch's sparse all_reduce, the tree's stages)
+            pay; None: priced as ``latency_s``.
     """
 
     latency_s: float
     bytes_per_s: float
     ranks_per_host: int = 1
     pair_latency_s: Optional[float] = None
+    backend_latency_s: Optional[float] = None
 
     @property
     def latency_bytes(self) -> float:
@@ -80,6 +88,20 @@ def _time_alltoall(group, dev, n: int, nbytes: int, repeats: int) -> float:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         if i:  # the first is a warm-up
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _time_allreduce(group, dev, repeats: int) -> float:
+    """Median time of a tiny all-reduce on ``group``'s backend."""
+    x = torch.zeros(2, dtype=torch.float32, device=dev)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        if i:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -132,12 +154,17 @@ def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torc
     tiny = _time_alltoall(group, dev, n, 8 * n, 3 * repeats)
     large = _time_alltoall(group, dev, n, large_bytes, repeats)
     pair = _time_pairs(group, dev, n, lws, 3 * repeats) if pairs else 0.0
-    numbers = torch.tensor([tiny, large, pair], dtype=torch.float64, device=dev)
+    # All-to-alls through shared memory cost a fraction of the backend's own collectives: time one of those too
+    # (every rank knows the same: the transport is chosen alike everywhere).
+    split = dev.type == "cpu" and shm.active(group)
+    backend = _time_allreduce(group, dev, 3 * repeats) if split else 0.0
+    numbers = torch.tensor([tiny, large, pair, backend], dtype=torch.float64, device=dev)
     dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
-    tiny, large, pair = numbers.tolist()
+    tiny, large, pair, backend = numbers.tolist()
     link = alltoall_host_link_bytes(n, lws, n * max(1, large_bytes // n))
     bytes_per_s = min(_MAX_BYTES_PER_S, link / max(large - tiny, link / _MAX_BYTES_PER_S))
-    return LinkProbe(tiny, bytes_per_s, lws, min(pair, tiny) if pairs else None)
+    return LinkProbe(tiny, bytes_per_s, lws, min(pair, backend or tiny) if pairs else None,
+                     max(backend, tiny) if split else None)
 
 
 def measure_latency_bytes(group: Optional[dist.ProcessGroup], device: torch.device = torch.device("cpu"),

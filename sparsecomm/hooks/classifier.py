@@ -60,20 +60,25 @@ def exchange_latency(ranks: int, world_size: int, latency_s: float, pair_latency
 
 
 def latency_seconds(method: SyncMethod, world_size: int, latency_s: float, pair_latency_s: Optional[float] = None,
-                    ranks_per_host: int = 1, local_aggregation: bool = True) -> float:
+                    ranks_per_host: int = 1, local_aggregation: bool = True,
+                    backend_latency_s: Optional[float] = None) -> float:
     """Fixed cost of one call of ``method``: each of its exchanges priced by how many ranks take part.
 
-    ``latency_s``: an all-to-all among all N ranks; ``pair_latency_s``: an
-    exchange between two ranks (default: the same, i.e. every exchange costs
-    a collective). Allgather: 2 all-to-alls; flat partitioned: 4; two-level:
+    ``latency_s``: an all-to-all among all N ranks; ``backend_latency_s``: one
+    of the backend's other collectives, when all-to-alls take a faster
+    transport (default: the same); ``pair_latency_s``: an exchange between
+    two ranks (default: ``backend_latency_s``, i.e. every exchange costs a
+    collective). Allgather: 2 all-to-alls; flat partitioned: 4; two-level:
     1 + 4 among a host's L + 4 among the M hosts; tree: 2 + 2 log2 P
     pairwise stages (+4 folding when N is not a power of two); torch (gloo's
-    ring all-gathers): 3 (N-1) pairwise hops; densify: 3.
+    ring all-gathers): 3 (N-1) pairwise hops; densify: an all-to-all and 2
+    all-reduces.
     """
     n = world_size
     if n <= 1:
         return 0.0
-    pair = latency_s if pair_latency_s is None else pair_latency_s
+    backend = latency_s if backend_latency_s is None else backend_latency_s
+    pair = backend if pair_latency_s is None else pair_latency_s
     lws = host_layout(n, ranks_per_host)
     if method is SyncMethod.PARTITIONED and local_aggregation and lws > 1:
         return (latency_s + 4 * exchange_latency(lws, n, latency_s, pair)
@@ -83,6 +88,8 @@ def latency_seconds(method: SyncMethod, world_size: int, latency_s: float, pair_
         return 2 * latency_s + (steps - 2) * pair
     if method is SyncMethod.TORCH:
         return latency_steps("torch", n) * pair
+    if method is SyncMethod.DENSIFY:
+        return latency_s + (COLLECTIVES_PER_METHOD[method] - 1) * backend
     return COLLECTIVES_PER_METHOD[method] * latency_s
 
 
@@ -188,8 +195,10 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
                         allowed, latency_bytes, link, lws, union_node, local_aggregation)
     best = min(cost, key=lambda m: (cost[m], list(SyncMethod).index(m)))
     if link is not None:
-        pair = link.latency_s if link.pair_latency_s is None else link.pair_latency_s
-        reason = (f"est. ms/call (all-to-all {link.latency_s * 1e3:.3g} ms, pair {pair * 1e3:.3g} ms, "
+        backend = link.latency_s if link.backend_latency_s is None else link.backend_latency_s
+        pair = backend if link.pair_latency_s is None else link.pair_latency_s
+        other = f"other collectives {backend * 1e3:.3g} ms, " if link.backend_latency_s is not None else ""
+        reason = (f"est. ms/call (all-to-all {link.latency_s * 1e3:.3g} ms, {other}pair {pair * 1e3:.3g} ms, "
                   f"link {link.bytes_per_s / 1e6:.3g} MB/s): "
                   + ", ".join(f"{m.value} {c * 1e3:.3g}" for m, c in cost.items()) + " " + shape)
     else:
@@ -205,7 +214,8 @@ def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int
     """The default model's cost of each allowed method: seconds with ``link``, else bytes (latency as bytes)."""
     lws = host_layout(world_size, ranks_per_host)
     if link is not None:
-        fixed = {m: latency_seconds(m, world_size, link.latency_s, link.pair_latency_s, lws, local_aggregation)
+        fixed = {m: latency_seconds(m, world_size, link.latency_s, link.pair_latency_s, lws, local_aggregation,
+                                    link.backend_latency_s)
                  for m in allowed}
         bps = link.bytes_per_s
     else:

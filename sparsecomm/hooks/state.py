@@ -373,7 +373,12 @@ class SparseCommState:
             return False
         n, nbytes = self.world_size, buffer.numel() * buffer.element_size()
         extra = (n - 1) * nbytes - ring_allreduce_bytes(buffer.numel(), buffer.element_size(), n)
-        return nbytes <= _MAX_FUSED_DENSE_BYTES and extra <= self.latency_bytes
+        # Fusing saves the bucket's own all-reduce: on a group whose all-to-alls bypass the backend (shared
+        # memory), that all-reduce costs the backend's latency, not the probe's all-to-all.
+        link = self.link
+        saved = link.backend_latency_s * link.bytes_per_s if link is not None and link.backend_latency_s \
+            else self.latency_bytes
+        return nbytes <= _MAX_FUSED_DENSE_BYTES and extra <= saved
 
     def capacity_for(self, key: Any) -> Optional[List[int]]:
         """Rows to reserve per tensor for this set of tensors, from the last step (same on every rank)."""
