@@ -63,7 +63,7 @@ def _against_gloo_worker(rank, world):
     return checked, mine
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_shared_memory_all_to_all_moves_the_bytes_gloo_moves(world):
     results = run_ranks(world, _against_gloo_worker)
     for rank, (checked, leftovers) in results.items():
@@ -117,6 +117,7 @@ def _misbehaving_worker(rank, world, culprit, how):
     return "no error", time.monotonic() - start
 
 
+@pytest.mark.slow  # waits out a 3 s timeout and a 6 s stall; the dead-peer test covers failing fast by default
 def test_a_stalled_peer_times_out_on_the_waiting_rank_and_breaks_the_group_for_all():
     results = run_ranks(2, _misbehaving_worker, 1, "stall", timeout_s=3, expect_dead=True, join_timeout_s=60)
     message, waited = results[0]
