@@ -2,8 +2,8 @@
 
 Everything travels as bytes (uint8) through one all-to-all with uneven splits
 (:func:`all_to_all`: gloo's ``all_to_all_single``, or shared memory between
-ranks of one host): gloo's all-to-all has no int16 and no half-precision reductions are
-needed in transit, so one code path serves every dtype.
+ranks of one host): gloo's all-to-all has no int16 and no half-precision
+reductions are needed in transit, so one code path serves every dtype.
 
 Rows are copied once on each side, at most: packed straight into the reused
 send buffer (through a partition's ``perm`` when given a :class:`Gathered`
@@ -28,9 +28,9 @@ from sparsecomm.types import SparseSyncStats
 # torch >= 2.13 renames all_gather_into_tensor (which then warns) to all_gather_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-__all__ = ["all_gather_single", "all_to_all", "all_to_all_calls", "wire_index_dtype", "kernel_ids", "check_counts", "count_bytes",
-           "count_copied",
-           "wire_buffers", "wire_row_bytes", "all_to_all_rows", "exchange_counts", "Gathered", "Reduce",
+__all__ = ["all_gather_single", "all_to_all", "all_to_all_calls", "wire_index_dtype", "kernel_ids", "check_counts",
+           "count_bytes", "count_copied", "wire_buffers", "wire_row_bytes", "all_to_all_rows", "exchange_counts",
+           "Gathered", "Reduce",
            "exchange_tables", "exchange_direct", "push_to_owners", "allgather_rows"]
 
 
@@ -70,7 +70,7 @@ def all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[Lis
     if not async_op and send.device.type == "cpu" and recv.device.type == "cpu":
         fast = shm.transport(group)
         if fast is not None:
-            shm.run(fast, recv, send, recv_splits, send_splits, group)
+            shm.run(fast, recv, send, recv_splits, send_splits)
             return None
     work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
     parked = _PARKED.get(id(group))
@@ -403,7 +403,7 @@ def exchange_direct(blocks: Sequence[Sequence[torch.Tensor]], send_counts: Seque
             got.append(rows)
         out.append(got)
     _CALLS[0] += 1
-    shm.run_segments(fast, send, recv, group)
+    shm.run_segments(fast, send, recv)
     return out
 
 

@@ -61,6 +61,16 @@ class LinkProbe:
         lo, hi = _LATENCY_BYTES_RANGE
         return min(hi, max(lo, self.latency_s * self.bytes_per_s))
 
+    @property
+    def other_latency_s(self) -> float:
+        """What one of the backend's other collectives costs (an all-reduce): ``backend_latency_s`` if timed."""
+        return self.latency_s if self.backend_latency_s is None else self.backend_latency_s
+
+    @property
+    def hop_latency_s(self) -> float:
+        """What one exchange between two ranks costs: ``pair_latency_s`` if timed, else :attr:`other_latency_s`."""
+        return self.other_latency_s if self.pair_latency_s is None else self.pair_latency_s
+
 
 def host_layout(world_size: int, ranks_per_host: Optional[int]) -> int:
     """Ranks per host L the cost model can use: ``ranks_per_host`` if 1 < L < N and L divides N, else 1."""

@@ -34,14 +34,14 @@ import sys
 import uuid
 import warnings
 import weakref
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sparsecomm.collectives.groups import group_timeout
 
-__all__ = ["ENV_VAR", "transport", "run", "run_segments", "active"]
+__all__ = ["ENV_VAR", "Transport", "transport", "run", "run_segments", "active"]
 
 # "0" turns the shared-memory all-to-all off (on any rank: then on every rank of the group).
 ENV_VAR = "SPARSECOMM_SHM"
@@ -50,10 +50,18 @@ _SLOT_BYTES = 1 << 20
 _MIN_SLOT_BYTES = 64 << 10
 _MAX_SEGMENT = 48 << 20   # below Docker's default 64 MB /dev/shm, with room for others
 
+class Transport(NamedTuple):
+    """A group's shared-memory all-to-all: the mapped segment, and the group's timeout (fixed at creation)."""
+
+    segment: object        # sparsecomm._C.ShmAllToAll
+    world: int
+    timeout_seconds: float
+
+
 # Per process group (the object; WORLD for None): its transport, or None where the group keeps gloo. Weak keys:
 # holding a group here would keep it (and gloo's threads) alive past destroy_process_group, into interpreter
 # shutdown, where a gloo thread releasing a finished collective's tensors aborts the process.
-_TRANSPORTS: "weakref.WeakKeyDictionary[object, Optional[object]]" = weakref.WeakKeyDictionary()
+_TRANSPORTS: "weakref.WeakKeyDictionary[object, Optional[Transport]]" = weakref.WeakKeyDictionary()
 
 
 def _key(group: Optional[dist.ProcessGroup]) -> object:
@@ -91,7 +99,7 @@ def active(group: Optional[dist.ProcessGroup]) -> bool:
     return _TRANSPORTS.get(_key(group)) is not None
 
 
-def transport(group: Optional[dist.ProcessGroup]):
+def transport(group: Optional[dist.ProcessGroup]) -> Optional[Transport]:
     """``group``'s shared-memory transport, or None (gloo); sets it up on the first call (collective)."""
     key = _key(group)
     if key in _TRANSPORTS:
@@ -138,8 +146,9 @@ def transport(group: Optional[dist.ProcessGroup]):
             warnings.warn(f"sparsecomm: the shared-memory all-to-all is unavailable on this group (rank {failed[0]}: "
                           f"{failed[1]}); its all-to-alls use gloo", RuntimeWarning, stacklevel=3)
         return None
-    _TRANSPORTS[key] = made
-    return made
+    timeout = group_timeout(group)
+    _TRANSPORTS[key] = Transport(made, n, timeout.total_seconds() if timeout is not None else 1800.0)
+    return _TRANSPORTS[key]
 
 
 def _make(path: str, create: bool, rank: int, world: int, slot: int):
@@ -160,27 +169,19 @@ def _split_bytes(t: torch.Tensor, splits: Optional[List[int]], n: int) -> List[i
     return [int(s) * row_bytes for s in splits]
 
 
-def _seconds(group: Optional[dist.ProcessGroup]) -> float:
-    timeout = group_timeout(group)
-    return timeout.total_seconds() if timeout is not None else 1800.0
-
-
-def run(shm, recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[List[int]],
-        send_splits: Optional[List[int]], group: Optional[dist.ProcessGroup]) -> None:
+def run(shm: Transport, recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[List[int]],
+        send_splits: Optional[List[int]]) -> None:
     """``all_to_all_single(recv, send, recv_splits, send_splits)`` through ``shm`` (CPU tensors)."""
-    n = dist.get_world_size(group)
-    s_bytes, r_bytes = _split_bytes(send, send_splits, n), _split_bytes(recv, recv_splits, n)
-    seconds = _seconds(group)
+    s_bytes, r_bytes = _split_bytes(send, send_splits, shm.world), _split_bytes(recv, recv_splits, shm.world)
     src = send.contiguous()
     dst = recv if recv.is_contiguous() else torch.empty_like(recv, memory_format=torch.contiguous_format)
-    shm.run(src.data_ptr(), s_bytes, dst.data_ptr(), r_bytes, seconds)
+    shm.segment.run(src.data_ptr(), s_bytes, dst.data_ptr(), r_bytes, shm.timeout_seconds)
     if dst is not recv:
         recv.copy_(dst)
 
 
-def run_segments(shm, send: List[List[Tuple[int, int]]], recv: List[List[Tuple[int, int]]],
-                 group: Optional[dist.ProcessGroup]) -> None:
+def run_segments(shm: Transport, send: List[List[Tuple[int, int]]], recv: List[List[Tuple[int, int]]]) -> None:
     """One all-to-all through ``shm`` whose messages are lists of ``(address, bytes)`` pieces: ``send[j]``
     what goes to rank j, in order; ``recv[j]`` where rank j's message lands. The caller keeps the memory
     alive and writable for the call."""
-    shm.run_segments(send, recv, _seconds(group))
+    shm.segment.run_segments(send, recv, shm.timeout_seconds)

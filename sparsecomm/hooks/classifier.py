@@ -195,10 +195,10 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
                         allowed, latency_bytes, link, lws, union_node, local_aggregation)
     best = min(cost, key=lambda m: (cost[m], list(SyncMethod).index(m)))
     if link is not None:
-        backend = link.latency_s if link.backend_latency_s is None else link.backend_latency_s
-        pair = backend if link.pair_latency_s is None else link.pair_latency_s
-        other = f"other collectives {backend * 1e3:.3g} ms, " if link.backend_latency_s is not None else ""
-        reason = (f"est. ms/call (all-to-all {link.latency_s * 1e3:.3g} ms, {other}pair {pair * 1e3:.3g} ms, "
+        other = f"other collectives {link.other_latency_s * 1e3:.3g} ms, " if link.backend_latency_s is not None \
+            else ""
+        reason = (f"est. ms/call (all-to-all {link.latency_s * 1e3:.3g} ms, {other}"
+                  f"pair {link.hop_latency_s * 1e3:.3g} ms, "
                   f"link {link.bytes_per_s / 1e6:.3g} MB/s): "
                   + ", ".join(f"{m.value} {c * 1e3:.3g}" for m, c in cost.items()) + " " + shape)
     else:
@@ -214,8 +214,8 @@ def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int
     """The default model's cost of each allowed method: seconds with ``link``, else bytes (latency as bytes)."""
     lws = host_layout(world_size, ranks_per_host)
     if link is not None:
-        fixed = {m: latency_seconds(m, world_size, link.latency_s, link.pair_latency_s, lws, local_aggregation,
-                                    link.backend_latency_s)
+        fixed = {m: latency_seconds(m, world_size, link.latency_s, link.hop_latency_s, lws, local_aggregation,
+                                    link.other_latency_s)
                  for m in allowed}
         bps = link.bytes_per_s
     else:

@@ -376,7 +376,7 @@ class SparseCommState:
         # Fusing saves the bucket's own all-reduce: on a group whose all-to-alls bypass the backend (shared
         # memory), that all-reduce costs the backend's latency, not the probe's all-to-all.
         link = self.link
-        saved = link.backend_latency_s * link.bytes_per_s if link is not None and link.backend_latency_s \
+        saved = link.other_latency_s * link.bytes_per_s if link is not None and link.backend_latency_s is not None \
             else self.latency_bytes
         return nbytes <= _MAX_FUSED_DENSE_BYTES and extra <= saved
 
