@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-__all__ = ["PartitionScheme", "ReduceOp", "SyncMethod", "Topology", "SparseSyncStats"]
+__all__ = ["PartitionScheme", "ReduceOp", "SyncMethod", "WireStatus", "Topology", "SparseSyncStats"]
 
 
 class PartitionScheme(str, enum.Enum):
@@ -24,6 +24,21 @@ class SyncMethod(str, enum.Enum):
     DENSIFY = "densify"          # scatter into the dense table and allreduce it (+ a row mask)
     TORCH = "torch"              # the backend's own sparse all_reduce (gloo), then coalesced
     TREE = "tree"                # recursive doubling, merging rows at each of log2 N stages (SparCML)
+
+
+class WireStatus(enum.IntEnum):
+    """A rank's verdict on its own input, or on what a peer sent it: the one code set every exchange carries.
+
+    A rank that finds a problem does not raise alone (its peers would wait
+    in the next collective); it sends the code in the exchange's metadata, or
+    as a negative count (``-1 - code``), and every rank raises together.
+    """
+
+    OK = 0
+    ID_RANGE = 1    # row ids outside the table
+    NONFINITE = 2   # NaN or Inf values where nonfinite="raise"
+    BAD_COUNT = 3   # a peer announced a row count outside the bounds the metadata allows
+    BAD_INPUT = 4   # a lookup's input is not valid (type, dtype, device, offsets)
 
 
 class ReduceOp(str, enum.Enum):

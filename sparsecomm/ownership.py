@@ -1,0 +1,92 @@
+"""Row ownership: which rank owns each row of a table, named once for Python.
+
+A scheme maps a row id to one of N owners (docs/DESIGN.md, "Ownership"):
+
+- ``hash``: ``splitmix64(id) mod N``: balanced under Zipf skew and for
+  consecutive ids (the default);
+- ``range``: ``id // range_size`` with ``range_size = ceil(V / N)``:
+  contiguous blocks, an owner's rows are one slice.
+
+The kernels (``csrc/owner_map.h``, shared by the CPU and CUDA sources) compute
+the owner from a scheme *code*; this module is the one place that turns a
+scheme's name into that code and back, validates it, and derives a range
+scheme's block size. Every rank runs the same arithmetic, so every rank agrees
+on every row's owner without talking.
+
+Adding a scheme: a member of :class:`~sparsecomm.types.PartitionScheme`, its
+code in ``_CODES`` here, and its owner function in ``csrc/owner_map.h``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+from sparsecomm.types import PartitionScheme
+
+__all__ = ["PartitionScheme", "scheme_of", "scheme_code", "scheme_from_code", "range_size", "owner_range_size",
+           "describe_code"]
+
+# The code each scheme has in the kernels and on the wire (csrc/owner_map.h: SPARSECOMM_SCHEME_*).
+_CODES = {PartitionScheme.HASH: 0, PartitionScheme.RANGE: 1}
+_NAMES = {code: scheme for scheme, code in _CODES.items()}
+
+
+def scheme_of(scheme: Union[str, PartitionScheme]) -> PartitionScheme:
+    """The scheme named by ``scheme``.
+
+    Raises:
+        ValueError: an unknown name (the message lists the known ones).
+    """
+    try:
+        return PartitionScheme(scheme)
+    except ValueError:
+        known = ", ".join(repr(s.value) for s in PartitionScheme)
+        raise ValueError(f"scheme must be one of {known}, got {scheme!r}") from None
+
+
+def scheme_code(scheme: Union[str, PartitionScheme]) -> int:
+    """The kernels' (and the wire's) code of ``scheme``."""
+    return _CODES[scheme_of(scheme)]
+
+
+def scheme_from_code(code: int) -> PartitionScheme:
+    """The scheme a code stands for.
+
+    Raises:
+        ValueError: no scheme has this code (a peer of another version, or corrupted metadata).
+    """
+    try:
+        return _NAMES[int(code)]
+    except KeyError:
+        raise ValueError(f"no partition scheme has code {code!r} (known: {sorted(_NAMES)})") from None
+
+
+def describe_code(code: int) -> str:
+    """A scheme code for an error message: its name, or the raw number when no scheme has it."""
+    scheme = _NAMES.get(code)
+    return scheme.value if scheme is not None else str(code)
+
+
+def range_size(num_rows: int, num_owners: int) -> int:
+    """Rows per owner under the range scheme: ``ceil(V / N)``, at least 1."""
+    if num_owners < 1:
+        raise ValueError(f"num_owners must be >= 1, got {num_owners}")
+    return max(1, -(-int(num_rows) // int(num_owners)))
+
+
+def owner_range_size(scheme: Union[str, PartitionScheme], num_owners: int, num_rows: Optional[int],
+                     given: Optional[int] = None) -> int:
+    """The ``range_size`` the kernels take for ``scheme``: ``given``, else ``ceil(V / N)``; 1 for other schemes.
+
+    Raises:
+        ValueError: the range scheme with neither ``given`` nor ``num_rows``, or a ``given`` below 1.
+    """
+    if scheme_of(scheme) is not PartitionScheme.RANGE:
+        return 1
+    if given is None:
+        if num_rows is None:
+            raise ValueError("scheme='range' needs num_rows (or range_size)")
+        return range_size(num_rows, num_owners)
+    if given < 1:
+        raise ValueError(f"range_size must be >= 1, got {given}")
+    return int(given)
