@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from sparsecomm.collectives.dense import broadcast_
 from sparsecomm.collectives.sharded_exchange import all_gather_objects, world
 from sparsecomm.hooks import register
 from sparsecomm.planner import Plan, embedding_modules, plan as make_plan
@@ -131,7 +132,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
         weight = m.weight.detach()
         if n > 1:
             weight = weight.clone()
-            dist.broadcast(weight, src, group=process_group)
+            broadcast_(weight, src, process_group)
         new = _sharded_twin(m, weight, plan.tables[name].scheme, process_group)
         _replace(model, name, new)
         tables.append(new)

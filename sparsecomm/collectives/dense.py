@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMPRESSION_DTYPES", "all_finite", "allreduce_mean_async", "ring_allreduce_bytes"]
+__all__ = ["COMPRESSION_DTYPES", "all_finite", "allreduce_mean_async", "ring_allreduce_bytes", "max_over_ranks",
+           "broadcast_"]
 
 COMPRESSION_DTYPES = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -60,3 +61,21 @@ def allreduce_mean_async(buffer: torch.Tensor, group: Optional[dist.ProcessGroup
         return buffer
 
     return fut.then(unpack)
+
+
+def max_over_ranks(values: Sequence[float], group: Optional[dist.ProcessGroup], device: torch.device) -> List[float]:
+    """Each value's maximum over the ranks of ``group`` (one all-reduce of float64, under the group's timeout).
+
+    ``device``: where the all-reduce runs (a CUDA device for NCCL groups).
+    Every rank gets the same list: what a decision every rank must share
+    (the slowest rank's time) is built from.
+    """
+    out = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out.tolist()
+
+
+def broadcast_(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s (``src`` is a global rank, as in ``dist.broadcast``)."""
+    dist.broadcast(tensor, src, group=group)
+    return tensor
