@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsecomm.collectives.bootstrap import detect_launcher
+from sparsecomm.collectives.launchers import detect_launcher
 
 from distributed import launcher_free_env
 

@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.bench.harness import EXIT_USAGE, Row, check_outputs, print_table, progress, write_outputs
+from sparsecomm.collectives.bootstrap import init_distributed, shutdown
+from sparsecomm.collectives.launchers import detect_launcher, free_port, launcher_variable
 
 __all__ = ["EXIT_WRONG", "add_launch_args", "launched", "spawn", "run_distributed", "gather_floats",
            "resolve_device_backend"]
@@ -50,9 +51,6 @@ __all__ = ["EXIT_WRONG", "add_launch_args", "launched", "spawn", "run_distribute
 EXIT_WRONG = 3
 # Where a self-spawned job's rank 0 writes its rows (JSON) for the parent to merge.
 _RESULT_ENV = "SPARSECOMM_BENCH_RESULT"
-_LAUNCHER_PREFIXES = ("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_LOCAL")
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 # A rank that died leaves the others blocked in a collective: stop them this long after.
 _GRACE_S = 10.0
 
@@ -96,20 +94,12 @@ def resolve_device_backend(args: argparse.Namespace) -> None:
 
 def launched() -> bool:
     """True when a launcher (torchrun, mpirun, srun, or our own spawn) made this process a rank."""
-    from sparsecomm.collectives.bootstrap import detect_launcher
-
     return detect_launcher()[0] != "none"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _child_env(rank: int, world_size: int, port: int, result_path: Optional[str]) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _TORCHRUN_VARS and k != _RESULT_ENV}
+           if not launcher_variable(k) and k != _RESULT_ENV}
     env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # N ranks share the cores: without this each would start one OpenMP thread per core.
@@ -133,7 +123,7 @@ def spawn(bench: str, argv: Sequence[str], world_size: int, result_path: Optiona
         0, :data:`EXIT_WRONG` if the ranks reported wrong results, or the
         first failing rank's status.
     """
-    port = _free_port()
+    port = free_port("127.0.0.1")
     cmd = [sys.executable, "-m", "sparsecomm.bench", bench, *argv]
     procs = [subprocess.Popen(cmd, env=_child_env(r, world_size, port, result_path)) for r in range(world_size)]
     first_failure: Optional[int] = None
@@ -240,8 +230,6 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
             table(rows, f"{title}: world sizes {','.join(map(str, args.nproc))}")
         _write(rows, args, plot)
         return status
-
-    from sparsecomm.collectives.bootstrap import init_distributed, shutdown
 
     if args.nproc and launched() and int(os.environ.get("WORLD_SIZE", args.nproc[0])) not in args.nproc:
         print("# --nproc ignored: the launcher decides the world size", file=sys.stderr, flush=True)

@@ -5,60 +5,18 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from sparsecomm.collectives import groups
+from sparsecomm.collectives.launchers import detect_launcher, free_port
 from sparsecomm.types import Topology, optional_int
 
 __all__ = ["detect_launcher", "init_distributed", "shutdown", "topology"]
 
-# (launcher, rank, world size, local rank, local world size) variables, in order of precedence.
-_LAUNCHERS = [
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
-]
 _topology: Optional[Topology] = None
-
-
-def detect_launcher(env: Optional[Dict[str, str]] = None) -> Tuple[str, Topology]:
-    """Read rank, world size and node layout from the environment.
-
-    Returns:
-        ``(launcher, topology)``; launcher is "torchrun", "openmpi", "mpich",
-        "slurm" or "none" (a plain single process).
-    """
-    env = os.environ if env is None else env
-    for name, rank_v, size_v, lrank_v, lsize_v in _LAUNCHERS:
-        rank, size = optional_int(env.get(rank_v)), optional_int(env.get(size_v))
-        if rank is None or size is None:
-            continue
-        local_rank = optional_int(env.get(lrank_v))
-        local_size = optional_int(env.get(lsize_v)) if name != "slurm" else _slurm_tasks_per_node(env)
-        if local_size is None:
-            local_size, local_rank = 1, 0
-        local_rank = rank % local_size if local_rank is None else local_rank
-        return name, Topology(rank=rank, world_size=size, local_rank=local_rank, local_world_size=local_size,
-                              node_rank=rank // max(1, local_size))
-    return "none", Topology()
-
-
-def _slurm_tasks_per_node(env) -> Optional[int]:
-    # SLURM_NTASKS_PER_NODE is only set with --ntasks-per-node; SLURM_TASKS_PER_NODE looks like "4(x2)".
-    value = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if not value:
-        return None
-    return int(value.split("(")[0].split(",")[0])
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _my_address(single_node: bool) -> str:
@@ -86,7 +44,7 @@ def _rendezvous(launcher: str, topo: Topology) -> Tuple[str, int]:
     if addr and port:
         return addr, port
     if launcher == "none":
-        return "127.0.0.1", _free_port()
+        return "127.0.0.1", free_port()
     try:
         from mpi4py import MPI
     except ImportError as exc:
@@ -99,7 +57,7 @@ def _rendezvous(launcher: str, topo: Topology) -> Tuple[str, int]:
         raise RuntimeError(f"MPI world size {comm.Get_size()} != launcher's {topo.world_size}")
     endpoint = None
     if comm.Get_rank() == 0:
-        endpoint = (addr or _my_address(topo.local_world_size == topo.world_size), port or _free_port())
+        endpoint = (addr or _my_address(topo.local_world_size == topo.world_size), port or free_port())
     return comm.bcast(endpoint, root=0)
 
 
@@ -155,11 +113,13 @@ def topology() -> Topology:
 
 
 def shutdown() -> None:
-    """Leave cleanly: a barrier first (gloo intermittently aborts at exit without it), then destroy every group,
-    and forget the library's cached ones (they would keep gloo's threads alive into interpreter shutdown)."""
-    global _topology
-    from sparsecomm.collectives import groups  # groups imports this module
+    """Leave cleanly: a barrier first, then destroy every group, and forget the library's cached ones.
 
+    gloo can abort at exit when a rank destroys its groups while a peer's last
+    collective is still in flight (the barrier), and a cached group would keep
+    gloo's threads alive into interpreter shutdown (the forget).
+    """
+    global _topology
     if dist.is_initialized():
         try:
             dist.barrier()

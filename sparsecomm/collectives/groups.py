@@ -15,20 +15,25 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.bootstrap import detect_launcher
+from sparsecomm.collectives.launchers import env_local_world_size
 
-__all__ = ["group_ranks", "group_timeout", "comm_device", "env_local_world_size", "node_groups", "twin_group",
-           "run_async", "forget"]
+__all__ = ["group_key", "group_ranks", "group_timeout", "comm_device", "env_local_world_size", "node_groups",
+           "twin_group", "run_async", "forget"]
 
-# Keyed by the group object itself (None: the default group), never by its
-# ranks: a group and its twin have the same ranks but must not share subgroups.
+# Keyed by the group object itself (group_key), never by its ranks: a group
+# and its twin have the same ranks but must not share subgroups.
 _node_groups: Dict[Tuple[object, int], Tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 _twins: Dict[Tuple[object, str], dist.ProcessGroup] = {}
 _lock = threading.RLock()
 
 
-def _key(group: Optional[dist.ProcessGroup]) -> object:
-    return None if group is None or group is dist.GroupMember.WORLD else group
+def group_key(group: Optional[dist.ProcessGroup]) -> object:
+    """The object that stands for ``group`` in the library's caches: the group itself, the default group for None.
+
+    Never its ranks (a group and its twin have the same ranks but must not
+    share subgroups or threads), and one key for both spellings of the default group.
+    """
+    return dist.group.WORLD if group is None else group
 
 
 def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[datetime.timedelta]:
@@ -55,12 +60,6 @@ def comm_device(group: Optional[dist.ProcessGroup], like: torch.device) -> torch
     return torch.device("cpu") if backend == "gloo" or like.type == "cpu" else like
 
 
-def env_local_world_size() -> Optional[int]:
-    """Ranks per node as the launcher tells it (torchrun, Open MPI, MPICH/Intel MPI, Slurm), or None."""
-    launcher, topo = detect_launcher()  # one table of launcher variables, shared with init_distributed
-    return None if launcher == "none" else topo.local_world_size
-
-
 def node_groups(group: Optional[dist.ProcessGroup], local_world_size: int
                 ) -> Tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Return (ranks of my node, ranks with my local rank on every node), built once and cached.
@@ -70,7 +69,7 @@ def node_groups(group: Optional[dist.ProcessGroup], local_world_size: int
     for a given (group, local_world_size) together: ``new_group`` is collective.
     """
     ranks = tuple(group_ranks(group))
-    key = (_key(group), local_world_size)
+    key = (group_key(group), local_world_size)
     timeout = group_timeout(group)
     with _lock:
         if key in _node_groups:
@@ -118,7 +117,7 @@ def twin_group(group: Optional[dist.ProcessGroup], purpose: str = "async") -> di
     It inherits ``group``'s timeout. Collective to create: all ranks make the
     first call for a (group, purpose) together.
     """
-    key = (_key(group), purpose)
+    key = (group_key(group), purpose)
     with _lock:
         if key not in _twins:
             _twins[key] = dist.new_group(group_ranks(group), backend=dist.get_backend(group),
@@ -177,7 +176,7 @@ def run_async(job: Callable[[], object], group: Optional[dist.ProcessGroup] = No
         A Future of the job's result (or its exception).
     """
     stream = torch.cuda.current_stream(device) if device is not None and device.type == "cuda" else None
-    key = _key(group)
+    key = group_key(group)
     with _lock:
         if key not in _runners:
             _runners[key] = _Runner()

@@ -39,7 +39,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.groups import group_timeout
+from sparsecomm.collectives.groups import group_key, group_timeout
 
 __all__ = ["ENV_VAR", "Transport", "transport", "run", "run_segments", "active"]
 
@@ -62,10 +62,6 @@ class Transport(NamedTuple):
 # holding a group here would keep it (and gloo's threads) alive past destroy_process_group, into interpreter
 # shutdown, where a gloo thread releasing a finished collective's tensors aborts the process.
 _TRANSPORTS: "weakref.WeakKeyDictionary[object, Optional[Transport]]" = weakref.WeakKeyDictionary()
-
-
-def _key(group: Optional[dist.ProcessGroup]) -> object:
-    return dist.group.WORLD if group is None else group
 
 
 def _host_id() -> str:
@@ -96,12 +92,12 @@ def slot_bytes(world: int) -> int:
 
 def active(group: Optional[dist.ProcessGroup]) -> bool:
     """Whether ``group``'s all-to-alls already go through shared memory (False before its first one)."""
-    return _TRANSPORTS.get(_key(group)) is not None
+    return _TRANSPORTS.get(group_key(group)) is not None
 
 
 def transport(group: Optional[dist.ProcessGroup]) -> Optional[Transport]:
     """``group``'s shared-memory transport, or None (gloo); sets it up on the first call (collective)."""
-    key = _key(group)
+    key = group_key(group)
     if key in _TRANSPORTS:
         return _TRANSPORTS[key]
     _TRANSPORTS[key] = None
