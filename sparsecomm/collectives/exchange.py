@@ -1,9 +1,15 @@
-"""Row exchanges between ranks: push rows to their owners, share owned rows with all.
+"""Row exchanges between ranks: blocks of rows in one all-to-all, pushed to owners or shared with all.
 
-Everything travels as bytes (uint8) through one all-to-all with uneven splits
-(:func:`all_to_all`: gloo's ``all_to_all_single``, or shared memory between
-ranks of one host): gloo's all-to-all has no int16 and no half-precision
-reductions are needed in transit, so one code path serves every dtype.
+The row layout of every message the library sends: :func:`exchange_tables`
+packs any number of blocks of rows (a tensor's ids and its values, several
+tensors at once) into one all-to-all with uneven splits, every region
+starting at a multiple of 8 bytes (:func:`align8`) so it can be read in
+place as its dtype; :func:`exchange_direct` moves plain rows without staging
+buffers where the transport allows; :func:`all_to_all_same_chunk` sends every
+peer one fixed-size chunk (regions padded to a capacity). Everything travels
+as bytes (uint8) through :func:`~sparsecomm.collectives.transport.all_to_all`:
+gloo's all-to-all has no int16 and no half-precision reductions are needed in
+transit, so one code path serves every dtype.
 
 Rows are copied once on each side, at most: packed straight into the reused
 send buffer (through a partition's ``perm`` when given a :class:`Gathered`
@@ -14,7 +20,6 @@ counted in ``stats.bytes_copied``.
 
 from __future__ import annotations
 
-import collections
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -23,64 +28,16 @@ import torch.distributed as dist
 
 from sparsecomm import ops
 from sparsecomm.collectives import shm
+from sparsecomm.collectives.transport import (all_gather_single, all_to_all, all_to_all_calls, check_counts,
+                                              count_bytes, count_call, count_copied, exchange_counts, kernel_ids,
+                                              wire_buffers, wire_index_dtype)
 from sparsecomm.types import SparseSyncStats
 
-# torch >= 2.13 renames all_gather_into_tensor (which then warns) to all_gather_single.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-__all__ = ["all_gather_single", "all_to_all", "all_to_all_calls", "wire_index_dtype", "kernel_ids", "check_counts",
-           "count_bytes", "count_copied", "wire_buffers", "wire_row_bytes", "all_to_all_rows", "exchange_counts",
-           "Gathered", "Reduce",
-           "exchange_tables", "exchange_direct", "push_to_owners", "allgather_rows"]
-
-
-# Per group, the work objects of its last few all-to-alls, referenced from Python after the calls returned.
-_PARKED: dict = {}
-_PARKED_CALLS = 8
-# All-to-alls this process ran through all_to_all (any group, any transport): what a step costs in collectives.
-_CALLS = [0]
-
-
-def all_to_all_calls() -> int:
-    """How many all-to-alls this process has run through :func:`all_to_all` (all groups, both transports)."""
-    return _CALLS[0]
-
-
-def all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[List[int]] = None,
-               send_splits: Optional[List[int]] = None, *, group: Optional[dist.ProcessGroup],
-               async_op: bool = False):
-    """``dist.all_to_all_single``; the work object stays referenced from Python for the group's next calls.
-
-    gloo's worker thread releases a finished collective after the caller's
-    wait returns, sometimes much later on a busy core; releasing the last
-    reference to the work releases its tensors, and a tensor's reference
-    count going down there takes the GIL (torch keeps a tensor's Python
-    object alive while C++ holds it). When the interpreter is already
-    finalizing, that aborts the process ("terminate called without an active
-    exception"; seen here at the exit of training loops whose last
-    collectives were all-to-alls, about 1 run in 5). Holding the work in
-    Python makes that last release happen on a Python thread: when the ring of
-    the last ``_PARKED_CALLS`` works moves on, or at module teardown. Every
-    all-to-all of the library goes through here.
-
-    A synchronous all-to-all of CPU tensors on a gloo group whose ranks share
-    a host goes through shared memory instead (:mod:`sparsecomm.collectives.shm`).
-    """
-    _CALLS[0] += 1
-    if not async_op and send.device.type == "cpu" and recv.device.type == "cpu":
-        fast = shm.transport(group)
-        if fast is not None:
-            shm.run(fast, recv, send, recv_splits, send_splits)
-            return None
-    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
-    parked = _PARKED.get(id(group))
-    if parked is None:
-        parked = _PARKED[id(group)] = collections.deque(maxlen=_PARKED_CALLS)
-    parked.append(work)
-    if async_op:
-        return work
-    work.wait()
-    return None
+__all__ = ["Gathered", "Reduce", "Block", "Region", "align8", "wire_row_bytes", "all_to_all_rows", "exchange_tables",
+           "exchange_direct", "all_to_all_same_chunk", "push_to_owners", "allgather_rows",
+           # transport's names, still imported from here by the sharded exchanges
+           "all_gather_single", "all_to_all", "all_to_all_calls", "wire_index_dtype", "kernel_ids", "check_counts",
+           "count_bytes", "count_copied", "wire_buffers", "exchange_counts"]
 
 
 class Gathered(NamedTuple):
@@ -120,80 +77,49 @@ class Reduce(NamedTuple):
     strict: bool = True
 
 
-Rows = Union[torch.Tensor, Gathered]
+Block = Union[torch.Tensor, Gathered]   # one tensor of a block of rows: its rows as they are, or gathered
 
 
-def wire_index_dtype(num_rows: int) -> torch.dtype:
-    """Smallest signed integer dtype that holds every id of a ``num_rows`` table."""
-    if num_rows <= 2**15:
-        return torch.int16
-    if num_rows <= 2**31:
-        return torch.int32
-    return torch.int64
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
 
 
-def kernel_ids(ids: torch.Tensor) -> torch.Tensor:
-    # The kernels take int32/int64; int16 only exists on the wire.
-    return ids.to(torch.int32) if ids.dtype == torch.int16 else ids
+def align8(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of 8: every region of a message starts there, readable in place as its dtype."""
+    return (nbytes + 7) // 8 * 8
 
 
-_BUFFERS: dict = {}
-_MAX_CACHED_BYTES = 256 << 20
+def _wire_dtype(t: Block) -> torch.dtype:
+    if isinstance(t, Gathered):
+        return t.wire_ids or t.source.dtype
+    return t.dtype
 
 
-def wire_buffers(group: Optional[dist.ProcessGroup], send_bytes: int, recv_bytes: int, device: torch.device
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Send and receive byte buffers for one exchange on ``group``, reused from call to call.
-
-    Fresh buffers cost page faults on every call (measured here: +0.4 ms for a
-    0.5 MB all-to-all, half its time). One pair per group and device, grown
-    as needed up to 256 MiB each; every group is used by one thread only
-    (see ``groups``), and callers copy what they keep out of the receive buffer.
-    """
-    key = (id(group) if group is not None else None, str(device))
-    send, recv = _BUFFERS.get(key, (None, None))
-    if send is None or send.numel() < send_bytes or recv.numel() < recv_bytes:
-        have = (0, 0) if send is None else (send.numel(), recv.numel())
-        send = torch.empty(max(send_bytes, have[0]), dtype=torch.uint8, device=device)
-        recv = torch.empty(max(recv_bytes, have[1]), dtype=torch.uint8, device=device)
-        if max(send.numel(), recv.numel()) <= _MAX_CACHED_BYTES:
-            _BUFFERS[key] = (send, recv)
-    return send[:send_bytes], recv[:recv_bytes]
+def _wire_shape(t: Block) -> Tuple[int, ...]:
+    return tuple((t.source if isinstance(t, Gathered) else t).shape[1:])
 
 
-def check_counts(counts: Sequence[int], limit: int, what: str) -> List[int]:
-    """Row counts received from peers, validated before they size a buffer or an all-to-all split.
-
-    Raises:
-        ValueError: a count is negative or above ``limit`` (a bug, a version
-            mismatch or corrupted memory on the sending rank).
-    """
-    counts = list(counts)
-    for r, c in enumerate(counts):
-        if not 0 <= c <= limit:
-            raise ValueError(f"sparsecomm: rank {r} announced {c} {what}, outside [0, {limit}]: a bug or a "
-                             f"version mismatch between ranks; nothing was received")
-    return counts
+def _wire_width(t: Block) -> int:
+    return math.prod(_wire_shape(t)) * torch.empty(0, dtype=_wire_dtype(t)).element_size()
 
 
-def count_copied(stats: Optional[SparseSyncStats], nbytes: int) -> None:
-    """Add bytes copied between tensors and wire buffers to ``stats.bytes_copied``."""
-    if stats is not None and nbytes:
-        stats.bytes_copied += nbytes
+def wire_row_bytes(t: Block) -> int:
+    """Bytes one row of ``t`` (a tensor or a :class:`Gathered`) takes on the wire."""
+    return _wire_width(t)
 
 
-def count_bytes(stats: Optional[SparseSyncStats], send: Sequence[int], recv: Sequence[int], me: int,
-                 peer_node: Optional[Sequence[int]]) -> None:
-    if stats is None:
-        return
-    for peer, (s, r) in enumerate(zip(send, recv)):
-        if peer == me:
-            continue
-        stats.bytes_sent += s
-        stats.bytes_recv += r
-        if peer_node is not None and peer_node[peer] != peer_node[me]:
-            stats.bytes_sent_inter_node += s
-            stats.bytes_recv_inter_node += r
+def _pack(send: torch.Tensor, t: Block, segments: List[Tuple[int, int, int]]) -> int:
+    """Copy ``t``'s rows into ``send`` (segments of ``(start, count, byte offset)``); returns bytes written."""
+    src, index, wire = (t.source, t.index, t.wire_ids) if isinstance(t, Gathered) else (t, None, None)
+    dev = send.device
+    src = src.to(dev).contiguous()
+    index = None if index is None else index.to(dev)
+    if wire is not None and wire == src.dtype:
+        wire = None
+    if src.dtype not in ops.INDEX_DTYPES and src.dim() == 1:
+        src = src.view(-1, 1)  # 1-D wire ids (int16): plain rows of one element
+    ops.pack_rows(send, src, index, segments, wire_ids=wire)
+    return sum(c for _, c, _ in segments) * _wire_width(t)
 
 
 def all_to_all_rows(tensors: Sequence[torch.Tensor], send_counts: List[int], recv_counts: List[int],
@@ -216,59 +142,7 @@ def all_to_all_rows(tensors: Sequence[torch.Tensor], send_counts: List[int], rec
     return exchange_tables([tensors], [send_counts], [recv_counts], [False], group, device, stats=[stats])[0]
 
 
-def exchange_counts(send_counts: torch.Tensor, group: Optional[dist.ProcessGroup], device: torch.device,
-                    stats: Optional[SparseSyncStats] = None, peer_node: Optional[Sequence[int]] = None
-                    ) -> List[int]:
-    """All-to-all of one int64 per peer: how many rows each rank will send me."""
-    n = dist.get_world_size(group)
-    recv = torch.empty(n, dtype=torch.int64, device=device)
-    all_to_all(recv, send_counts.to(device), group=group)
-    count_bytes(stats, [8] * n, [8] * n, dist.get_rank(group), peer_node)
-    return recv.tolist()
-
-
-def _row_bytes(t: torch.Tensor) -> int:
-    return math.prod(t.shape[1:]) * t.element_size()
-
-
-def _align8(nbytes: int) -> int:
-    return (nbytes + 7) // 8 * 8
-
-
-def _wire_dtype(t: Rows) -> torch.dtype:
-    if isinstance(t, Gathered):
-        return t.wire_ids or t.source.dtype
-    return t.dtype
-
-
-def _wire_shape(t: Rows) -> Tuple[int, ...]:
-    return tuple((t.source if isinstance(t, Gathered) else t).shape[1:])
-
-
-def _wire_width(t: Rows) -> int:
-    return math.prod(_wire_shape(t)) * torch.empty(0, dtype=_wire_dtype(t)).element_size()
-
-
-def wire_row_bytes(t: Rows) -> int:
-    """Bytes one row of ``t`` (a tensor or a :class:`Gathered`) takes on the wire."""
-    return _wire_width(t)
-
-
-def _pack(send: torch.Tensor, t: Rows, segments: List[Tuple[int, int, int]]) -> int:
-    """Copy ``t``'s rows into ``send`` (segments of ``(start, count, byte offset)``); returns bytes written."""
-    src, index, wire = (t.source, t.index, t.wire_ids) if isinstance(t, Gathered) else (t, None, None)
-    dev = send.device
-    src = src.to(dev).contiguous()
-    index = None if index is None else index.to(dev)
-    if wire is not None and wire == src.dtype:
-        wire = None
-    if src.dtype not in ops.INDEX_DTYPES and src.dim() == 1:
-        src = src.view(-1, 1)  # 1-D wire ids (int16): plain rows of one element
-    ops.pack_rows(send, src, index, segments, wire_ids=wire)
-    return sum(c for _, c, _ in segments) * _wire_width(t)
-
-
-def exchange_tables(blocks: Sequence[Sequence[Rows]], send_counts: Sequence[Sequence[int]],
+def exchange_tables(blocks: Sequence[Sequence[Block]], send_counts: Sequence[Sequence[int]],
                     recv_counts: Sequence[Sequence[int]], repeat: Sequence[bool],
                     group: Optional[dist.ProcessGroup], device: torch.device, *,
                     reduce: Optional[Sequence[Optional[Reduce]]] = None,
@@ -314,7 +188,7 @@ def exchange_tables(blocks: Sequence[Sequence[Rows]], send_counts: Sequence[Sequ
             for b, wb in enumerate(widths):
                 for i, w in enumerate(wb):
                     offsets[b][i][j] = pos
-                    pos += _align8(counts[b][j] * w)
+                    pos += align8(counts[b][j] * w)
             sizes.append(pos - start)
         return sizes, offsets
 
@@ -402,7 +276,7 @@ def exchange_direct(blocks: Sequence[Sequence[torch.Tensor]], send_counts: Seque
                     at += counts[j] * w
             got.append(rows)
         out.append(got)
-    _CALLS[0] += 1
+    count_call()
     shm.run_segments(fast, send, recv)
     return out
 
@@ -485,3 +359,49 @@ def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
     out_ids, out_values = exchange_tables([[wire, values]], [[ids.shape[0]] * n], [list(counts)], [True], group,
                                           device, stats=[stats])[0]
     return kernel_ids(out_ids.to(ids.device)), out_values.to(values.device)
+
+
+class Region(NamedTuple):
+    """One region of a fixed-size chunk: ``source``'s elements as ``dtype``, then padding up to ``nbytes``.
+
+    Attributes:
+        source: what to write at the region's start (any shape; written flat).
+        nbytes: bytes reserved for the region (at least ``source.numel()`` elements of ``dtype``).
+        dtype: the wire dtype (``source`` is converted in the copy); default ``source.dtype``.
+    """
+
+    source: torch.Tensor
+    nbytes: int
+    dtype: Optional[torch.dtype] = None
+
+
+def all_to_all_same_chunk(regions: Sequence[Region], group: Optional[dist.ProcessGroup], device: torch.device
+                          ) -> Tuple[torch.Tensor, List[int], int]:
+    """Send every peer the same chunk of ``regions`` in one all-to-all; return what every rank sent.
+
+    The chunk is laid out once: each region at the next multiple of 8 bytes,
+    its source written at its start and the rest of its reserved bytes left
+    as they are (padding the receivers never read), then copied for every
+    other peer. Bytes copied: the sources once, then the chunk once per other peer.
+
+    Returns:
+        ``(recv, offsets, size)``: the receive buffer (``n * size`` bytes,
+        rank r's chunk at ``r * size``), each region's offset inside a chunk,
+        and the chunk's size.
+    """
+    n = dist.get_world_size(group)
+    offsets, size = [], 0
+    for r in regions:
+        offsets.append(size)
+        size += align8(r.nbytes)
+    send, recv = wire_buffers(group, n * size, n * size, device)
+    first = send[:size]
+    for r, at in zip(regions, offsets):
+        dtype = r.dtype or r.source.dtype
+        used = r.source.numel() * torch.empty(0, dtype=dtype).element_size()
+        if used:
+            first[at:at + used].view(dtype).copy_(r.source.reshape(-1))
+    for j in range(1, n):
+        send[j * size:(j + 1) * size].copy_(first)
+    all_to_all(recv, send, group=group)
+    return recv, offsets, size

@@ -1,11 +1,11 @@
 """All-to-all through shared memory, for gloo groups whose ranks share one host.
 
 gloo's all-to-all goes through TCP sockets and two threads of its own per
-process. Inside a training step on a busy host every hand-off between those
-threads waits for a core: a 256 KB all-to-all between two ranks costs
-0.55-0.8 ms median (1.0-1.2 ms mean) there, against ~20 us of copying (``docs/DESIGN.md``, "Shared-memory
-all-to-all"). When every rank of a gloo group runs on the same host, the
-library's synchronous all-to-alls (:func:`sparsecomm.collectives.exchange.all_to_all`)
+process; inside a training step on a busy host every hand-off between those
+threads waits for a core, which costs far more than copying the bytes
+(``docs/DESIGN.md``, "Shared-memory all-to-all"; figures in
+``benchmarks/RESULTS.md``). When every rank of a gloo group runs on the same host, the
+library's synchronous all-to-alls (:func:`sparsecomm.collectives.transport.all_to_all`)
 go through one shared segment instead: a slot per ordered pair of ranks,
 filled and emptied chunk by chunk by the callers themselves (C++:
 ``csrc/shm_alltoall.cpp``).
