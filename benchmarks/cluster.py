@@ -5,14 +5,12 @@ ways with tbf (``sparsecomm.bench.netns``); ranks of a host talk over
 loopback. For each topology (``--topologies 2x2,4x2``) the ranks start once
 and sweep link rate x overlap x density; per configuration every method runs
 once per round, rounds interleaved (the method order rotates), and the
-reported time is the median over rounds of the slowest rank. Methods:
-
-    dense        dist.all_reduce of the dense V x d table (sparse_as_dense)
-    torch        dist.all_reduce of the sparse tensor (gloo's sparse all_reduce, what DDP does), coalesced
-    allgather    sparse_allreduce(method="allgather")
-    partitioned  sparse_allreduce(method="partitioned", local_aggregation=False): flat hashed push/pull
-    two_level    sparse_allreduce(method="partitioned"), R ranks per host: local aggregation first
-    tree         sparse_allreduce(method="tree"): recursive doubling, stages between hosts first
+reported time is the median over rounds of the slowest rank. Methods: every
+path of ``sparse_allreduce`` (``sparsecomm.collectives.methods``), by the name
+a fitted model knows it by: ``partitioned`` (flat), ``allgather``, ``dense``
+(the densify path: the V x d table all-reduced, with its row mask), ``torch``
+(gloo's sparse all_reduce, what DDP does), ``tree`` and ``two_level`` (R
+ranks per host: local aggregation first).
 
 Every result is checked against a float64 sum of every rank's (seeded) input
 before its time counts (``wrong`` in the JSON: elements off). Overlap:
@@ -58,8 +56,10 @@ import time
 from typing import Dict, List
 
 from sparsecomm.bench.netns import EmulatedCluster, can_emulate, collect, kill_all
+from sparsecomm.collectives import methods as sync_methods
 
-METHODS = ("dense", "torch", "allgather", "partitioned", "two_level", "tree")
+METHODS = tuple(p.fit_name for p in sync_methods.PATHS)
+PEERS = tuple(p.fit_name for p in sync_methods.PATHS if p.baseline)
 
 
 # ------------------------------------------------------------------ worker side
@@ -88,9 +88,8 @@ def _worker(a: argparse.Namespace) -> None:
     import sparsecomm
     from sparsecomm.collectives.probe import measure_link
     from sparsecomm.cost_model import load_fitted_cost
-    from sparsecomm.hooks.classifier import choose_method, method_costs
+    from sparsecomm.hooks.classifier import choose_method, method_costs, path_of
     from sparsecomm.hooks.tuner import MethodTuner, candidates_near
-    from sparsecomm.types import SyncMethod
 
     torch.set_num_threads(1)
     topo = sparsecomm.init_distributed(timeout=a.timeout)
@@ -102,25 +101,11 @@ def _worker(a: argparse.Namespace) -> None:
     fit = load_fitted_cost(a.fit) if a.fit else None
 
     def run(method, grad):
-        if method == "dense":
-            dense = grad.to_dense()
-            dist.all_reduce(dense)
-            return dense
-        if method == "torch":
-            out = grad.clone()
-            dist.all_reduce(out)
-            return out.coalesce()
-        kw = dict(local_world_size=lws, method="tree" if method == "tree" else
-                  ("allgather" if method == "allgather" else "partitioned"),
-                  local_aggregation=method == "two_level")
-        return sparsecomm.sparse_allreduce(grad, **kw)
+        path = sync_methods.by_name(method)
+        return sparsecomm.sparse_allreduce(grad, local_world_size=lws, method=path.method.value,
+                                           local_aggregation=path.hierarchical)
 
     def wrong(method, out, ref_ids, ref_vals):
-        if method == "dense":
-            got = out[ref_ids].double()
-            touched = int((out.abs().sum(1) > 0).sum())  # rows no rank touched must stay zero
-            return int(((got - ref_vals).abs() > 1e-4 * (1 + ref_vals.abs())).sum()) + a.dim * abs(
-                touched - ref_ids.numel())
         if not torch.equal(out.indices()[0], ref_ids):
             return a.dim * abs(out.indices().shape[1] - ref_ids.shape[0]) + a.dim
         return int(((out.values().double() - ref_vals).abs() > 1e-4 * (1 + ref_vals.abs())).sum())
@@ -146,9 +131,8 @@ def _worker(a: argparse.Namespace) -> None:
             grad = grads[me]
             methods = [m for m in a.methods.split(",") if m and not (m == "two_level" and lws == 1)]
             k_mean, union = sum(ks) / n, int(ref_ids.numel())
-            allowed = [SyncMethod.PARTITIONED, SyncMethod.ALLGATHER, SyncMethod.TORCH, SyncMethod.TREE]
-            name_of = {SyncMethod.PARTITIONED: "two_level" if lws > 1 else "partitioned",
-                       SyncMethod.ALLGATHER: "allgather", SyncMethod.TORCH: "torch", SyncMethod.TREE: "tree"}
+            allowed = [p.method for p in sync_methods.PATHS if not p.hierarchical and not p.moves_table]
+            name_of = {m: path_of(m, n, lws).fit_name for m in allowed}
             index_bytes = 2 if a.rows <= 2**15 else 4
             tuned = None
             if a.tune:  # the hook's tuner, online, as a training job would run it: explore, agree, keep
@@ -177,7 +161,7 @@ def _worker(a: argparse.Namespace) -> None:
                 for j in range(len(methods)):
                     mi = (j + rnd) % len(methods)  # interleaved: the order rotates every round
                     m = methods[mi]
-                    if m == "dense" and rnd >= a.warmup + a.dense_iters:
+                    if m != "tuned" and sync_methods.by_name(m).moves_table and rnd >= a.warmup + a.dense_iters:
                         continue
                     dist.barrier()
                     t0 = time.perf_counter()
@@ -289,7 +273,7 @@ def goals(records: List[dict], slow_bps: float = 1e9) -> List[str]:
             continue
         best_m = min(timed, key=timed.get)
         best = timed[best_m]
-        peers = [timed[m] for m in ("torch", "allgather") if m in timed]
+        peers = [timed[m] for m in PEERS if m in timed]
         goal1 = key[3] == "shared" and key[4] == heavy and parse_rate(key[2]) <= slow_bps
         for name in CLASSIFIERS:
             c = ms.get(name)

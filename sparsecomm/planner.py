@@ -44,9 +44,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from sparsecomm import cost_model
-from sparsecomm.collectives.exchange import wire_index_dtype
 from sparsecomm.collectives.probe import measure_latency_bytes
 from sparsecomm.collectives.sharded_exchange import all_gather_objects, world
+from sparsecomm.collectives.transport import wire_index_dtype
+from sparsecomm.ownership import scheme_of
 
 __all__ = ["Plan", "TablePlan", "plan", "PLACEMENTS", "PLAN_FORMAT"]
 
@@ -129,8 +130,8 @@ class Plan:
         t = self[name]
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-        if scheme is not None and scheme not in ("hash", "range"):
-            raise ValueError(f"scheme must be 'hash' or 'range', got {scheme!r}")
+        if scheme is not None:
+            scheme = scheme_of(scheme).value
         if placement == "shard" and t.blocker:
             raise ValueError(f"table {name!r} cannot be sharded: {t.blocker}")
         t.placement, t.overridden = placement, True

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from sparsecomm.collectives.probe import LinkProbe, alltoall_host_link_bytes
-from sparsecomm.cost_model import host_link_bytes
+from sparsecomm.collectives import methods
+from sparsecomm.collectives.methods import Workload
 from sparsecomm.hooks.classifier import bottleneck_bytes, choose_method, collectives, host_layout
 from sparsecomm.hooks.tuner import MethodTuner, candidates_near
 from sparsecomm.types import SyncMethod as S
@@ -36,9 +37,10 @@ def test_host_layout_and_collectives():
 def test_bottleneck_bytes_are_host_link_bytes_when_ranks_share_a_host():
     k, u, un = 1240.0, 9498.0, 2400.0
     args = (8, 100_000, 32, 4, 4, k, u)
+    w = Workload(8, 100_000, 32, 4, 4, k, u, 2, un)
     for m, name in ((S.ALLGATHER, "allgather"), (S.TORCH, "torch"), (S.TREE, "tree"), (S.PARTITIONED, "two_level")):
         assert bottleneck_bytes(m, *args, ranks_per_host=2, union_node=un) == pytest.approx(
-            host_link_bytes(name, 4, 2, k, u, un, 100_000, 32, 4, 4))
+            methods.by_name(name).host_bytes(w, 4, 2, un))
     # Two ranks share the link: an allgather puts both ranks' k rows to each of the 6 remote ranks on it.
     assert bottleneck_bytes(S.ALLGATHER, *args, ranks_per_host=2) == pytest.approx(2 * 6 * k * 132)
     # One rank per host: the per-rank formulas.
@@ -220,8 +222,8 @@ def test_fit_per_topology_recovers_each_topologys_terms():
     assert topo.terms("tree", 8, 8) == topo.coef["tree"] and topo.terms("tree", 4, 2) == topo.topologies["4x2"]["tree"]
     again = FittedCost.from_json(topo.to_json())
     assert again == topo
-    assert again.seconds("tree", 8, 300, 900, 100_000, 32, 4, 4) == pytest.approx(
-        topo.seconds("tree", 8, 300, 900, 100_000, 32, 4, 4))
+    tree, w = methods.by_name("tree"), Workload(8, 100_000, 32, 4, 4, 300, 900)
+    assert again.seconds(tree, w) == pytest.approx(topo.seconds(tree, w))
 
 
 def test_latency_prices_each_exchange_by_its_participants():

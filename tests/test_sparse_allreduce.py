@@ -278,6 +278,7 @@ def test_allgather_with_capacity_is_one_collective_and_falls_back_when_rows_over
 def _malicious_worker(rank, world, attack):
     """Rank 1 corrupts what it tells its peers; every rank must raise ValueError, nothing crashes."""
     import sparsecomm.collectives.sync_plan as sparse_mod
+    from sparsecomm.collectives import sync_wire
     from sparsecomm.collectives import shm
 
     t = torch.sparse_coo_tensor(torch.arange(12)[None] * (rank + 1), torch.ones(12, 4), (100, 4))
@@ -288,10 +289,10 @@ def _malicious_worker(rank, world, attack):
             calls[0] += 1
             if attack == "negative-count" and calls[0] == 1:
                 # Metadata: the push count for owner 0 becomes negative, the total unchanged.
-                input.view(world, -1)[:, sparse_mod._COUNTS_SLOT] -= 1000
-                input.view(world, -1)[:, sparse_mod._COUNTS_SLOT + 1] += 1000
+                input.view(world, -1)[:, sync_wire.PUSH_WORD] -= 1000
+                input.view(world, -1)[:, sync_wire.PUSH_WORD + 1] += 1000
             if attack == "huge-k" and calls[0] == 1:
-                input.view(world, -1)[:, sparse_mod._K_SLOT] = 2**40
+                input.view(world, -1)[:, sync_wire.K_WORD] = 2**40
             if attack == "pull-count" and calls[0] == 3:
                 input.fill_(10**9)  # an owner announces more rows than were pushed to it
 

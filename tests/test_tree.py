@@ -12,8 +12,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
-from sparsecomm.collectives.tree import tree_schedule
-from sparsecomm.cost_model import allgather_bytes, tree_bytes
+from sparsecomm.collectives.methods.tree import tree_bytes, tree_schedule
+from sparsecomm.cost_model import allgather_bytes
 from sparsecomm.types import SparseSyncStats
 
 from distributed import run_ranks
@@ -117,7 +117,7 @@ def test_tree_bytes_match_the_formula(world):
 
 def _lying_worker(rank, world, attack):
     """Rank 1 lies to its partners; every rank must raise ValueError, nothing crashes or hangs."""
-    import sparsecomm.collectives.tree as tree_mod
+    import sparsecomm.collectives.methods.tree as tree_mod
 
     t = torch.sparse_coo_tensor(torch.arange(12)[None] * (rank + 1), torch.ones(12, 4), (100, 4))
     if rank == 1 and attack == "huge-count":

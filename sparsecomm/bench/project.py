@@ -1,14 +1,14 @@
 """Fit a time model to emulated-cluster runs, check it on held-out runs, and project sync time to 64-128 ranks.
 
-Reads the JSON of ``benchmarks/cluster.py``. Per method (dense, torch,
-allgather, partitioned, two_level, tree) it fits, by non-negative least
+Reads the JSON of ``benchmarks/cluster.py``. Per method (every path of the
+registry, by its fitted name) it fits, by non-negative least
 squares over the training runs,
 
     seconds = latency x steps(N) + per_byte x host-link bytes / link rate + per_row x rows merged
 
-with the formulas of ``sparsecomm.cost_model`` (``latency_steps``,
-``host_link_bytes``, ``merged_rows``; k, U and U_node as measured in each
-run), then reports its error on the held-out runs (``--holdout-rates``, by
+with each method's own formulas (``sparsecomm.collectives.methods``:
+``fit_steps``, ``host_bytes``, ``merged_rows``; k, U and U_node as measured
+in each run), then reports its error on the held-out runs (``--holdout-rates``, by
 default every rate strictly between the lowest and the highest). It then
 projects per-step sync time to 8x8 and 16x8 ranks at 25 and 100 Gbit/s for
 two workloads whose k and U at each N are *measured* from
@@ -33,7 +33,12 @@ import json
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from sparsecomm.cost_model import (METHODS_ON_CLUSTER, FittedCost, host_link_bytes, latency_steps, merged_rows)
+from sparsecomm.collectives import methods as sync_methods
+from sparsecomm.collectives.methods import Workload
+from sparsecomm.cost_model import FittedCost
+
+# Every path, by the name a fit knows it by (benchmarks/cluster.py's methods).
+METHODS_ON_CLUSTER = tuple(p.fit_name for p in sync_methods.PATHS)
 
 # Zen (Wang et al., OSDI'25), abstract: up to 5.09x speedup in communication time and up to 2.48x in
 # training throughput over the state of the art (allgather- and allreduce-based sparse sync), 16 machines
@@ -59,11 +64,13 @@ def features(rec: dict, method: str, rate_bps: Optional[float] = None, dim: Opti
     n, lws, hosts = rec["world"], rec["ranks_per_host"], rec["hosts"]
     d = dim or rec["dim"]
     rate = rate_bps or _parse_rate(rec["rate"])
-    link = host_link_bytes(method, hosts, lws, rec["k_mean"], rec["union"], rec["union_node"], rec["rows"], d,
-                           rec.get("elem_bytes", 4), rec.get("index_bytes", 4))
+    path = sync_methods.by_name(method)
+    w = Workload(n, rec["rows"], d, rec.get("elem_bytes", 4), rec.get("index_bytes", 4), rec["k_mean"], rec["union"],
+                 lws, rec["union_node"])
+    link = path.host_bytes(w, hosts, lws, rec["union_node"])
     # Per-row work scales with the row width; the fit's unit is a 32-value row.
-    rows = merged_rows(method, n, rec["k_mean"], rec["union"], rec["rows"]) * d / 32
-    return latency_steps(method, n), link / (rate / 8), rows
+    rows = path.merged_rows(w) * d / 32
+    return path.fit_steps(n), link / (rate / 8), rows
 
 
 def nnls(x: List[Sequence[float]], y: List[float]) -> Tuple[float, ...]:
@@ -163,12 +170,16 @@ def project(model: FittedCost, topologies: Sequence[Tuple[int, int]], rates: Seq
     return rows
 
 
+def _path(name: str):
+    return sync_methods.by_name(name)
+
+
 def _speedups(rows: List[dict], key: str) -> Dict[tuple, Tuple[str, float]]:
     out = {}
     for cfg, grp in itertools.groupby(rows, key=lambda r: (r["topology"], r["rate"], r["workload"])):
         t = {r["method"]: r[key] for r in grp if not math.isnan(r[key])}
-        ours = {m: t[m] for m in ("partitioned", "two_level", "tree") if m in t}
-        peers = [t[m] for m in ("allgather", "torch") if m in t]
+        ours = {m: t[m] for m in t if not _path(m).baseline and not _path(m).moves_table}
+        peers = [t[m] for m in t if _path(m).baseline]
         if ours and peers:
             best = min(ours, key=ours.get)
             out[cfg] = (best, min(peers) / max(ours[best], 1e-12))
@@ -230,7 +241,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         t = {r["method"]: r for r in grp}
         print(f"{cfg[0]:>6} {cfg[1]:>7} {cfg[2]:>10} " + " ".join(
             f"{1e3 * t[m]['fitted_s']:9.2f}|{1e3 * t[m]['bytes_only_s']:9.3f}" for m in METHODS_ON_CLUSTER))
-    print("\n# best of ours (partitioned / two_level / tree) vs best of allgather-based (allgather, torch)")
+    ours = " / ".join(p.fit_name for p in sync_methods.PATHS if not p.baseline and not p.moves_table)
+    peers = ", ".join(p.fit_name for p in sync_methods.PATHS if p.baseline)
+    print(f"\n# best of ours ({ours}) vs best of allgather-based ({peers})")
     sf, sb = _speedups(rows, "fitted_s"), _speedups(rows, "bytes_only_s")
     for cfg in sf:
         print(f"  {cfg[0]:>6} {cfg[1]:>7} {cfg[2]:>10}: fitted {sf[cfg][0]} {sf[cfg][1]:.2f}x, "

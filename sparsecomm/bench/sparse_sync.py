@@ -68,18 +68,35 @@ import torch.distributed as dist
 import sparsecomm
 from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, parse_size, plot_rows, progress
 from sparsecomm.bench.launch import add_launch_args, gather_floats, run_distributed
+from sparsecomm.collectives import methods as sync_methods
 from sparsecomm.collectives.exchange import all_gather_single, all_to_all, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device
+from sparsecomm.collectives.methods import SyncPath
 from sparsecomm.cost_model import partitioned_floor_bytes
 from sparsecomm.hooks.classifier import choose_method
 from sparsecomm.synthetic import uniform_ids, zipf_ids
 from sparsecomm.types import SparseSyncStats
 
-METHODS = ("dense", "torch_sparse", "allgather", "sparsecomm", "sparsecomm_local", "sparsecomm_auto",
-           "sparsecomm_allgather", "sparsecomm_densify", "sparsecomm_tree")
-DEFAULT_METHODS = METHODS[:6]
-DENSE_METHODS = ("dense", "sparsecomm_densify")  # slow at every density: timed --dense-iters rounds
 PEERS = ("dense", "torch_sparse", "allgather")
+
+
+def _library_paths() -> Dict[str, SyncPath]:
+    """The library's paths as benchmark methods: the default method flat (``sparsecomm``) and hierarchical
+    (``sparsecomm_local``), then ``sparsecomm_<name>`` for every other path that runs on any backend."""
+    default = sync_methods.PATHS[0]
+    out = {"sparsecomm": default, "sparsecomm_local": sync_methods.path_for(default.method, True)}
+    for path in sync_methods.PATHS:
+        if path.method is not default.method and path.backend is None:
+            out[f"sparsecomm_{path.name}"] = path
+    return out
+
+
+LIBRARY = _library_paths()
+METHODS = (*PEERS, "sparsecomm", "sparsecomm_local", "sparsecomm_auto",
+           *(m for m in LIBRARY if m not in ("sparsecomm", "sparsecomm_local")))
+DEFAULT_METHODS = METHODS[:6]
+# Slow at every density: timed --dense-iters rounds.
+DENSE_METHODS = ("dense", *(m for m, p in LIBRARY.items() if p.moves_table))
 VALUE_DTYPES = ("float32", "float64", "float16", "bfloat16")
 _GLOO_META_BYTES = 9 * 8  # gloo's SparseTensorMetadata: 9 int64 per rank
 # The default table: what a reader compares first. --wide prints every column.
@@ -201,6 +218,8 @@ class Methods:
         return torch.sparse_coo_tensor(self.ids[None], self.values, (self.rows, self.dim), check_invariants=False)
 
     def run(self, name: str) -> Any:
+        if name in LIBRARY:
+            return self.run_library(LIBRARY[name])
         return getattr(self, "run_" + name)()
 
     def run_dense(self) -> torch.Tensor:
@@ -235,16 +254,11 @@ class Methods:
         return torch.sparse_coo_tensor(all_ids[None], all_values, (self.rows, self.dim),
                                        check_invariants=False).coalesce()
 
-    def run_sparsecomm(self) -> torch.Tensor:
-        # The node layout only splits the byte counts into intra/inter-node here: one flat exchange.
+    def run_library(self, path: SyncPath) -> torch.Tensor:
+        # The node layout only splits the byte counts into intra/inter-node on a flat path: one flat exchange.
         self.stats = SparseSyncStats()
-        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, local_aggregation=False,
-                                           stats=self.stats)
-
-    def run_sparsecomm_local(self) -> torch.Tensor:
-        self.stats = SparseSyncStats()
-        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, local_aggregation=True,
-                                           stats=self.stats)
+        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method=path.method.value,
+                                           local_aggregation=path.hierarchical, stats=self.stats)
 
     def run_sparsecomm_auto(self) -> torch.Tensor:
         # What the DDP hook does: measure one partitioned sync, let the
@@ -257,21 +271,6 @@ class Methods:
                                              probe.rows_out).method.value
         self.stats = SparseSyncStats()
         return sparsecomm.sparse_allreduce(self._grad(), method=self.auto_method, stats=self.stats)
-
-    def run_sparsecomm_allgather(self) -> torch.Tensor:
-        self.stats = SparseSyncStats()
-        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method="allgather",
-                                           stats=self.stats)
-
-    def run_sparsecomm_densify(self) -> torch.Tensor:
-        self.stats = SparseSyncStats()
-        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method="densify",
-                                           stats=self.stats)
-
-    def run_sparsecomm_tree(self) -> torch.Tensor:
-        self.stats = SparseSyncStats()
-        return sparsecomm.sparse_allreduce(self._grad(), local_world_size=self.lws, method="tree",
-                                           stats=self.stats)
 
     # Bytes sent + received by this rank, and what of it crosses emulated nodes (None: not counted).
     def wire_bytes(self, name: str, distinct: Sequence[int]) -> Tuple[float, Optional[float]]:
@@ -291,8 +290,9 @@ class Methods:
             per_rank = 8 + self.allgather_rows * (8 + self.dim * esz)
             return 2.0 * (n - 1) * per_rank, None
         s = self.stats
-        # Only the partitioned path splits its counts by node, and only when lws divides the world.
-        split = name in ("sparsecomm", "sparsecomm_local") and self.n % self.lws == 0
+        # Only the owner-based paths split their counts by node, and only when lws divides the world.
+        path = LIBRARY.get(name)
+        split = path is not None and (path.partitions or path.hierarchical) and self.n % self.lws == 0
         return (float(s.bytes_sent + s.bytes_recv),
                 float(s.bytes_sent_inter_node + s.bytes_recv_inter_node) if split else None)
 

@@ -4,7 +4,7 @@ The classifier prices a collective in bytes (latency x bandwidth); a constant
 is wrong on every machine but one, so the hook measures it at registration.
 With several ranks per host the bottleneck is the host's link, which its
 ranks share: :func:`measure_link` prices bytes on that link, so the
-classifier can count the bytes that cross it (``cost_model.host_link_bytes``).
+classifier can count the bytes that cross it (each method's ``host_bytes``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.collectives import shm
-from sparsecomm.collectives.exchange import all_to_all
 from sparsecomm.collectives.groups import comm_device
+from sparsecomm.collectives.transport import all_to_all
+from sparsecomm.cost_model import host_layout
 
 __all__ = ["measure_latency_bytes", "measure_link", "LinkProbe", "alltoall_host_link_bytes", "host_layout"]
 
@@ -70,12 +71,6 @@ class LinkProbe:
     def hop_latency_s(self) -> float:
         """What one exchange between two ranks costs: ``pair_latency_s`` if timed, else :attr:`other_latency_s`."""
         return self.other_latency_s if self.pair_latency_s is None else self.pair_latency_s
-
-
-def host_layout(world_size: int, ranks_per_host: Optional[int]) -> int:
-    """Ranks per host L the cost model can use: ``ranks_per_host`` if 1 < L < N and L divides N, else 1."""
-    lws = ranks_per_host or 1
-    return lws if 1 < lws < world_size and world_size % lws == 0 else 1
 
 
 def alltoall_host_link_bytes(world_size: int, ranks_per_host: int, bytes_per_rank: float) -> float:

@@ -34,9 +34,12 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from sparsecomm.collectives import methods
+from sparsecomm.collectives.fused import fused_exchange
 from sparsecomm.collectives.groups import node_groups, run_async, twin_group
-from sparsecomm.collectives.sync_paths import capped_allgather, fused_exchange, one_by_one
-from sparsecomm.collectives.sync_plan import SyncPlan, exchange_meta, prepare, unlinear
+from sparsecomm.collectives.methods.base import SyncPath
+from sparsecomm.collectives.sync_plan import SyncPlan, TensorRows, prepare, unlinear
+from sparsecomm.collectives.sync_wire import exchange_meta
 from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats, SyncMethod
 
 __all__ = ["sparse_allreduce", "sparse_allreduce_coalesced", "last_stats"]
@@ -169,19 +172,21 @@ def sparse_allreduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[
         raise ValueError(f"stats: got {len(stats)} for {len(tensors)} tensors")
     plan = SyncPlan.build(tensors, group, op, scheme, local_world_size, local_aggregation, methods, nonfinite,
                           capacity)
-    if plan.hierarchical_any:
+    paths = _paths(plan, group)
+    hierarchical = any(p.hierarchical for p in paths)
+    if hierarchical:
         node_groups(group, plan.local_world_size)  # collective creation, in the caller's program order
 
     def job(g=group) -> List[torch.Tensor]:
         global _last_stats
-        out = _sync(tensors, plan.on(g), stats)
+        out = _sync(tensors, paths, plan.on(g), stats)
         _last_stats = stats[-1] if stats else None
         return out
 
     if not async_op:
         return job()
     twin = twin_group(group)
-    if plan.hierarchical_any:
+    if hierarchical:
         node_groups(twin, plan.local_world_size)
     return run_async(lambda: job(twin), group=twin, device=plan.device)
 
@@ -189,43 +194,63 @@ def sparse_allreduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[
 # ------------------------------------------------------------------- the call
 
 
-def _sync(tensors: List[torch.Tensor], plan: SyncPlan, stats: List[SparseSyncStats]) -> List[torch.Tensor]:
+def _paths(plan: SyncPlan, group: Optional[dist.ProcessGroup]) -> List[SyncPath]:
+    """Each tensor's path (flat, or its hierarchical variant when the call aggregates in nodes), checked."""
+    paths = [methods.path_for(m, plan.aggregates_in_nodes) for m in plan.methods]
+    for p in paths:
+        if p.backend is not None and dist.get_backend(group) != p.backend:
+            raise ValueError(f"method={p.method.value!r} ({p.name} path) needs a {p.backend} group")
+    return paths
+
+
+def _one_collective(tensors: List[TensorRows], plan: SyncPlan):
+    """Metadata and rows in one collective, where every tensor's path offers it and capacities were given."""
+    if not tensors or plan.capacity is None:
+        return None
+    first = tensors[0].path
+    if first.with_metadata is None or any(t.path is not first for t in tensors):
+        return None
+    return first.with_metadata(tensors, plan)
+
+
+def _sync(tensors: List[torch.Tensor], paths: List[SyncPath], plan: SyncPlan, stats: List[SparseSyncStats]
+          ) -> List[torch.Tensor]:
     clock = time.perf_counter
     t0 = clock()
-    tables = [prepare(t, m, plan, s) for t, m, s in zip(tensors, plan.methods, stats)]
+    rows = [prepare(t, p, plan, s) for t, p, s in zip(tensors, paths, stats)]
     t1 = clock()
-    results: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(tables)
-    capped = capped_allgather(tables, plan) if tables and plan.capped else None
-    if capped is not None:  # metadata and rows in one collective
-        peers, results = capped
+    results: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(rows)
+    one = _one_collective(rows, plan)
+    if one is not None:  # metadata and rows in one collective
+        peers, results = one
     else:
-        peers = exchange_meta(tables, plan) if tables else []
-    for t, p in zip(tables, peers):
+        peers = exchange_meta(rows, plan) if rows else []
+    for t, p in zip(rows, peers):
         t.stats.rows_local_sum, t.stats.rows_local_max = sum(p.k), max(p.k)
     t2 = clock()
-    fused = [i for i, t in enumerate(tables) if t.fused]
-    if fused and capped is None:
-        for i, out in zip(fused, fused_exchange([tables[i] for i in fused], [peers[i] for i in fused], plan)):
+    fused = [i for i, t in enumerate(rows) if t.fused]
+    if fused and one is None:
+        for i, out in zip(fused, fused_exchange([rows[i] for i in fused], [peers[i] for i in fused], plan)):
             results[i] = out
     t3 = clock()
-    for i, t in enumerate(tables):
+    for i, t in enumerate(rows):
         if results[i] is None:
-            results[i] = one_by_one(t, peers[i], plan)
+            results[i] = t.path.run(t, peers[i], plan)
     t4 = clock()
     outs = []
-    for t, (ids, values) in zip(tables, results):
+    for t, (ids, values) in zip(rows, results):
         t.stats.rows_out = ids.shape[0]
         outs.append(torch.sparse_coo_tensor(unlinear(ids.long(), t.sparse_shape), values.to(t.tensor.dtype),
                                             tuple(t.tensor.shape), dtype=t.tensor.dtype, device=t.tensor.device,
                                             is_coalesced=True, check_invariants=False))
     t5 = clock()
-    share = 1.0 / max(1, len(tables))  # shared phases are split evenly between the tensors
-    for t in tables:
+    share = 1.0 / max(1, len(rows))  # shared phases are split evenly between the tensors
+    for t in rows:
         t.stats.add_time("coalesce", (t1 - t0) * share)
         t.stats.add_time("metadata", (t2 - t1) * share)
         t.stats.add_time("exchange", ((t3 - t2) * share if t.fused else 0.0))
         t.stats.add_time("assemble", (t5 - t4) * share)
-    for i, t in enumerate(tables):
+    for t in rows:
         if not t.fused:
-            t.stats.add_time("exchange", (t4 - t3) / max(1, len(tables) - len(fused)))
+            t.stats.add_time("exchange", (t4 - t3) / max(1, len(rows) - len(fused)))
     return outs

@@ -1,36 +1,32 @@
-"""The plan of one sparse synchronization and its metadata round: what every rank checks before any row moves.
+"""The plan of one sparse synchronization, and each tensor's rows on their way through it.
 
 :class:`SyncPlan` holds what a call decided (op, scheme, methods, node
 layout, group); :func:`prepare` turns each input tensor into coalesced,
-checked, partitioned rows (:class:`Rows`); :func:`exchange_meta` is the one
-all-to-all in which every rank tells every rank its header, error code, row
-count k and full push-count vector per tensor, so every rank validates the
-same numbers (the trust model in docs/DESIGN.md) and raises together.
+checked rows (:class:`TensorRows`), partitioned by owner when its path pushes
+to owners; :class:`Peers` is what the metadata round
+(:mod:`sparsecomm.collectives.sync_wire`) taught about every rank's rows.
+A problem found here is recorded in the rows' status, not raised: it travels
+in the metadata so that every rank raises together.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass, field, replace
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
 from sparsecomm.collectives.dense import all_finite
-from sparsecomm.collectives.exchange import all_to_all, wire_index_dtype
-from sparsecomm.collectives.groups import comm_device, env_local_world_size
-from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats, SyncMethod
+from sparsecomm.collectives.groups import comm_device
+from sparsecomm.collectives.launchers import env_local_world_size
+from sparsecomm.collectives.transport import wire_index_dtype
+from sparsecomm.ownership import range_size, scheme_of
+from sparsecomm.types import ReduceOp, SparseSyncStats, SyncMethod, WireStatus
 
-__all__ = ["SyncPlan", "Rows", "Peers", "prepare", "exchange_meta", "meta_width", "meta_row", "check_peers",
-           "unlinear", "ERR_OK", "ERR_RANGE"]
-
-_MAGIC = 0x5C0DE
-ERR_OK, ERR_RANGE, ERR_NONFINITE = 0, 1, 2
-_HEADER = 17                                  # magic .. method: must be equal on every rank
-_ERR_SLOT, _K_SLOT, _COUNTS_SLOT = 17, 18, 19  # then one push count per peer
+__all__ = ["SyncPlan", "TensorRows", "Peers", "prepare", "unlinear"]
 
 # ------------------------------------------------------------------- the plan
 
@@ -55,7 +51,7 @@ class SyncPlan:
     @staticmethod
     def build(tensors: Sequence[torch.Tensor], group, op, scheme, local_world_size, local_aggregation, methods,
               nonfinite, capacity: Optional[Sequence[int]] = None) -> "SyncPlan":
-        op, scheme = ReduceOp(op), PartitionScheme(scheme)
+        op, scheme = ReduceOp(op), scheme_of(scheme)
         methods = [SyncMethod(m) for m in methods]
         if nonfinite not in ("raise", "propagate"):
             raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
@@ -70,8 +66,6 @@ class SyncPlan:
         n = dist.get_world_size(group)
         if local_world_size < 1 or n % local_world_size:
             local_world_size = 1  # uneven nodes: flat exchange is always correct
-        if SyncMethod.TORCH in methods and dist.get_backend(group) != "gloo":
-            raise ValueError("method='torch' (the backend's sparse all_reduce) needs a gloo group")
         if capacity is not None:
             capacity = [int(c) for c in capacity]
             if len(capacity) != len(tensors) or min(capacity, default=0) < 0:
@@ -86,18 +80,9 @@ class SyncPlan:
                        comm_device=comm_device(group, self.device))
 
     @property
-    def capped(self) -> bool:
-        """One collective for the whole call: capacities given and every tensor on the flat allgather path."""
-        return self.capacity is not None and all(m is SyncMethod.ALLGATHER for m in self.methods)
-
-    def hierarchical(self, method: SyncMethod) -> bool:
-        """Does a tensor on ``method`` take the two-level path?"""
-        return (method is SyncMethod.PARTITIONED and self.local_aggregation
-                and 1 < self.local_world_size < self.world_size)
-
-    @property
-    def hierarchical_any(self) -> bool:
-        return any(self.hierarchical(m) for m in self.methods)
+    def aggregates_in_nodes(self) -> bool:
+        """Paths with a hierarchical variant take it: several ranks per node, local aggregation on."""
+        return self.local_aggregation and 1 < self.local_world_size < self.world_size
 
     @property
     def peer_node(self) -> Optional[List[int]]:
@@ -106,7 +91,7 @@ class SyncPlan:
         return [r // lws for r in range(self.world_size)] if lws > 1 else None
 
     def range_size(self, num_rows: int) -> int:
-        return max(1, -(-num_rows // self.world_size))
+        return range_size(num_rows, self.world_size)
 
 
 def _check_tensor(tensor: torch.Tensor) -> None:
@@ -123,25 +108,37 @@ def _check_tensor(tensor: torch.Tensor) -> None:
 
 
 @dataclass
-class Rows:
-    """One tensor's rows on their way through a call."""
+class TensorRows:
+    """One tensor's rows on their way through a call.
+
+    ``path`` is the tensor's :class:`~sparsecomm.collectives.methods.base.SyncPath`
+    (its method, flat or hierarchical); ``status`` what this rank found wrong
+    with its own rows (reported in the metadata, never raised alone).
+    """
 
     tensor: torch.Tensor
-    method: SyncMethod
-    hierarchical: bool
+    path: Any
     stats: SparseSyncStats
     sparse_shape: Tuple[int, ...]
     num_rows: int
     wire_ids: torch.dtype
     ids: torch.Tensor
     values: torch.Tensor
-    err: int = ERR_OK
+    status: WireStatus = WireStatus.OK
     part: Optional[ops.Partition] = None
+
+    @property
+    def method(self) -> SyncMethod:
+        return self.path.method
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.path.hierarchical
 
     @property
     def fused(self) -> bool:
         """Travels in the call's shared push all-to-all."""
-        return not self.hierarchical and self.method in (SyncMethod.PARTITIONED, SyncMethod.ALLGATHER)
+        return self.path.fused
 
     @property
     def sum_dtype(self) -> torch.dtype:
@@ -151,33 +148,42 @@ class Rows:
         return tuple(self.values.shape[1:])
 
 
-def prepare(tensor: torch.Tensor, method: SyncMethod, plan: SyncPlan, stats: SparseSyncStats) -> Rows:
-    """Linearize, check and coalesce one tensor's rows; partition them for a flat push."""
+@dataclass
+class Peers:
+    """What the metadata exchange taught about one tensor: every rank's k and push counts."""
+
+    k: List[int]                 # rows each rank holds after coalescing
+    push: List[List[int]]        # push[i][j]: rows rank i sends to owner j (flat partitioned)
+
+
+def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncStats) -> TensorRows:
+    """Linearize, check and coalesce one tensor's rows; partition them by owner when ``path`` pushes to owners."""
     sparse_shape = tuple(tensor.shape[: tensor.sparse_dim()])
     num_rows = math.prod(sparse_shape)
     indices, values = tensor._indices(), tensor._values().contiguous()
-    rows = Rows(tensor, method, plan.hierarchical(method), stats, sparse_shape, num_rows,
-                 wire_index_dtype(num_rows), _linear_ids(indices, sparse_shape), values)
-    stats.world_size, stats.rows_in, stats.num_rows, stats.method = plan.world_size, indices.shape[1], num_rows, method.value
+    rows = TensorRows(tensor, path, stats, sparse_shape, num_rows, wire_index_dtype(num_rows),
+                      _linear_ids(indices, sparse_shape), values)
+    stats.world_size, stats.rows_in, stats.num_rows = plan.world_size, indices.shape[1], num_rows
+    stats.method = path.method.value
     stats.row_bytes = math.prod(values.shape[1:]) * values.element_size()
     stats.index_bytes = torch.empty(0, dtype=rows.wire_ids).element_size()
     stats.hierarchical = rows.hierarchical
     # Bad input is found locally but reported through the metadata exchange,
     # so every rank raises together instead of the others hanging.
     if len(sparse_shape) > 1 and not _indices_in_range(indices, sparse_shape):
-        rows.err = ERR_RANGE
+        rows.status = WireStatus.ID_RANGE
     else:
         try:
             # The kernel checks [0, num_rows) in its pass over the ids: no extra scan, no host sync.
             rows.ids, rows.values = ops.coalesce_rows(rows.ids, values, num_rows)
         except ValueError:
-            rows.err = ERR_RANGE
-    if rows.err == ERR_OK and plan.nonfinite == "raise" and not all_finite(rows.values):
-        rows.err = ERR_NONFINITE
-    if rows.err != ERR_OK:
+            rows.status = WireStatus.ID_RANGE
+    if rows.status == WireStatus.OK and plan.nonfinite == "raise" and not all_finite(rows.values):
+        rows.status = WireStatus.NONFINITE
+    if rows.status != WireStatus.OK:
         rows.ids, rows.values = rows.ids[:0], values[:0]
     stats.rows_local = rows.ids.shape[0]
-    if rows.method is SyncMethod.PARTITIONED and not rows.hierarchical:
+    if path.partitions:
         # Ids, counts and perm only: the push packs the value rows through perm straight into the send
         # buffer (exchange.Gathered), so permuted rows are never written anywhere else.
         rows.part = ops.partition_rows(rows.ids, None, plan.world_size, plan.scheme, num_rows,
@@ -214,101 +220,3 @@ def unlinear(ids: torch.Tensor, sparse_shape: Sequence[int]) -> torch.Tensor:
         rest = rest // size
     rows.append(rest)
     return torch.stack(rows[::-1])
-
-
-# ----------------------------------------------------------------- metadata
-
-
-def _header(rows: Rows, plan: SyncPlan) -> List[int]:
-    shape = list(rows.tensor.shape)
-    dims = (shape + [-1] * 8)[:8]
-    digest = zlib.crc32(repr((shape, str(rows.tensor.dtype))).encode())
-    return [_MAGIC, ops.VALUE_DTYPES.index(rows.tensor.dtype), len(shape), rows.tensor.sparse_dim(), digest, *dims,
-            ["sum", "avg"].index(plan.op.value), ["hash", "range"].index(plan.scheme),
-            plan.local_world_size if rows.hierarchical or rows.method is SyncMethod.TREE else 1,
-            list(SyncMethod).index(rows.method)]
-
-
-def _describe(row: Sequence[int]) -> str:
-    dims = [d for d in row[5:13] if d >= 0][: row[2]]
-    methods = list(SyncMethod)
-    return (f"shape={tuple(dims)}, dtype={ops.VALUE_DTYPES[row[1]] if 0 <= row[1] < 4 else row[1]}, "
-            f"sparse_dim={row[3]}, op={['sum', 'avg'][row[13] % 2]}, scheme={['hash', 'range'][row[14] % 2]}, "
-            f"local_world_size={row[15]}, method={methods[row[16]].value if 0 <= row[16] < len(methods) else row[16]}")
-
-
-@dataclass
-class Peers:
-    """What the metadata exchange taught about one tensor: every rank's k and push counts."""
-
-    k: List[int]                 # rows each rank holds after coalescing
-    push: List[List[int]]        # push[i][j]: rows rank i sends to owner j (flat partitioned)
-
-
-def exchange_meta(tables: List[Rows], plan: SyncPlan) -> List[Peers]:
-    """One all-to-all: each rank's header, error, k and full push-count vector per tensor, to every rank.
-
-    Every rank receives the same numbers from a peer (its full count vector,
-    not just the count meant for it), so every rank checks them the same way
-    and raises together.
-    """
-    n, width = plan.world_size, meta_width(plan)
-    send = torch.tensor(meta_row(tables, plan) * n, dtype=torch.int64, device=plan.comm_device).view(n, -1)
-    recv = torch.empty_like(send)
-    # all_to_all, not all_gather: on gloo a tiny all-gather costs several times
-    # the latency of an all-to-all of the same bytes.
-    all_to_all(recv, send, group=plan.group)
-    got = recv.view(n, len(tables), width).tolist()
-    for i, t in enumerate(tables):
-        t.stats.bytes_sent += 8 * width * (n - 1)
-        t.stats.bytes_recv += 8 * width * (n - 1)
-    return [check_peers([got[r][i] for r in range(n)], t, plan) for i, t in enumerate(tables)]
-
-
-def meta_width(plan: SyncPlan) -> int:
-    """int64 per tensor in a rank's metadata: header, error, k, one push count per rank."""
-    return _COUNTS_SLOT + plan.world_size
-
-
-def meta_row(tables: List[Rows], plan: SyncPlan) -> List[int]:
-    """This rank's metadata for every tensor of the call (one host sync for all push counts)."""
-    n = plan.world_size
-    counts = [t.part.counts for t in tables if t.part is not None]
-    flat_counts = torch.stack(counts).tolist() if counts else []
-    meta: List[int] = []
-    it = iter(flat_counts)
-    for t in tables:
-        meta += _header(t, plan) + [t.err, t.ids.shape[0]] + (next(it) if t.part is not None else [0] * n)
-    return meta
-
-
-def check_peers(rows: List[List[int]], t: Rows, plan: SyncPlan) -> Peers:
-    """Every rank runs this on the same numbers: the same verdict everywhere."""
-    me, num_rows = plan.rank, t.num_rows
-    for r, row in enumerate(rows):
-        if row[0] != _MAGIC:
-            raise ValueError(f"sparse_allreduce: rank {r} is not in a sparse_allreduce call "
-                             f"(collective calls differ between ranks)")
-    for r, row in enumerate(rows):
-        if row[_ERR_SLOT] == ERR_RANGE:
-            raise ValueError(f"sparse_allreduce: rank {r} passed row ids outside [0, {num_rows}); "
-                             f"nothing was exchanged")
-        if row[_ERR_SLOT] == ERR_NONFINITE:
-            raise ValueError(f"sparse_allreduce: rank {r} passed NaN or Inf values (nonfinite='raise'); "
-                             f"nothing was exchanged")
-    mine = rows[me][:_HEADER]
-    for r, row in enumerate(rows):
-        if row[:_HEADER] != mine:
-            raise ValueError(f"sparse_allreduce: ranks disagree on the tensor: rank {me} has {_describe(mine)} "
-                             f"but rank {r} has {_describe(row)}")
-    k = [row[_K_SLOT] for row in rows]
-    push = [row[_COUNTS_SLOT:] for row in rows]
-    for r in range(len(rows)):
-        bad = not 0 <= k[r] <= num_rows or rows[r][_ERR_SLOT] != ERR_OK
-        if t.part is not None:
-            bad = bad or min(push[r]) < 0 or sum(push[r]) != k[r]
-        if bad:
-            raise ValueError(f"sparse_allreduce: rank {r} sent inconsistent row counts (k={k[r]}, per owner "
-                             f"{push[r] if t.part is not None else '-'}, table of {num_rows} rows): a bug or a "
-                             f"version mismatch between ranks; nothing was exchanged")
-    return Peers(k, push)

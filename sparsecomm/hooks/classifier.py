@@ -2,7 +2,8 @@
 
 Pure arithmetic over numbers every rank agrees on (the world size, the table,
 the global row counts of the last exchange), so every rank reaches the same
-decision without talking.
+decision without talking. Each method prices itself
+(:mod:`sparsecomm.collectives.methods`); this module picks the cheapest.
 """
 
 from __future__ import annotations
@@ -11,52 +12,34 @@ import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Union
 
-from sparsecomm.collectives.probe import LinkProbe, host_layout
-from sparsecomm.cost_model import (FittedCost, allgather_bytes, dense_allreduce_bytes, host_link_bytes,
-                                   latency_steps, load_fitted_cost, partitioned_floor_bytes, tree_bytes,
-                                   union_rows)
+from sparsecomm.collectives import methods
+from sparsecomm.collectives.methods import Latencies, SyncPath, Workload, exchange_latency
+from sparsecomm.collectives.probe import LinkProbe
+from sparsecomm.cost_model import FittedCost, host_layout, load_fitted_cost
 from sparsecomm.types import SyncMethod
 
-__all__ = ["Decision", "choose_method", "COLLECTIVES_PER_METHOD", "collectives", "bottleneck_bytes", "host_layout",
-           "method_costs", "latency_seconds", "exchange_latency"]
+__all__ = ["Decision", "choose_method", "collectives", "bottleneck_bytes", "host_layout", "method_costs",
+           "latency_seconds", "exchange_latency", "path_of"]
 
-# Round trips each method makes; each is charged the latency of one collective.
-# Flat partitioned: metadata (+ push counts), push, pull counts, pull; two-level
-# (local aggregation first): 9 (``cost_model.latency_steps``). Allgather:
-# metadata + one all-to-all. Densify: the allreduce and its mask. Torch
-# (gloo's sparse all_reduce): three ring all-gathers (sizes, ids, values),
-# N-1 hops each. Tree: metadata, a count and a row message per stage, the
-# verdict: 2 + 2 log2 N (see `collectives`).
-COLLECTIVES_PER_METHOD = {SyncMethod.PARTITIONED: 4, SyncMethod.ALLGATHER: 2, SyncMethod.DENSIFY: 3,
-                          SyncMethod.TORCH: 3, SyncMethod.TREE: 6}
 
-# Which fitted cluster method prices each sync method (densify is a dense allreduce plus a 1-byte mask).
-_FITTED_NAME = {SyncMethod.PARTITIONED: "partitioned", SyncMethod.ALLGATHER: "allgather",
-                SyncMethod.DENSIFY: "dense", SyncMethod.TORCH: "torch", SyncMethod.TREE: "tree"}
+def path_of(method: SyncMethod, world_size: int, ranks_per_host: int = 1, local_aggregation: bool = True
+            ) -> SyncPath:
+    """The path ``method`` takes at this layout: its hierarchical variant with L > 1 ranks per host and local aggregation."""
+    return methods.path_for(method, local_aggregation and host_layout(world_size, ranks_per_host) > 1)
+
+
+def _workload(world_size: int, num_rows: float, row_elems: int, elem_bytes: int, index_bytes: int,
+              rows_mean: float, union_rows: float, ranks_per_host: int = 1, union_node: Optional[float] = None,
+              local_aggregation: bool = True) -> Workload:
+    return Workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows,
+                    ranks_per_host, union_node, local_aggregation)
 
 
 def collectives(method: SyncMethod, world_size: int, ranks_per_host: int = 1, local_aggregation: bool = True
                 ) -> float:
     """Round trips of ``method`` at ``world_size`` ranks (the tree's grow with log2 N, torch's with N)."""
-    if method is SyncMethod.TREE:
-        return latency_steps("tree", world_size)
-    if method is SyncMethod.TORCH:
-        return latency_steps("torch", world_size)
-    if method is SyncMethod.PARTITIONED and local_aggregation and host_layout(world_size, ranks_per_host) > 1:
-        return latency_steps("two_level", world_size)
-    return COLLECTIVES_PER_METHOD[method]
-
-
-def exchange_latency(ranks: int, world_size: int, latency_s: float, pair_latency_s: float) -> float:
-    """Latency of one exchange among ``ranks`` ranks: a pair's at 2, a whole-group all-to-all's at N, linear between.
-
-    An all-to-all posts a send and a receive per peer; its fixed cost grows
-    with the peers (measured here: a tree stage's pairwise message ~0.2-0.4
-    of an 8-rank all-to-all).
-    """
-    if ranks <= 2 or world_size <= 2:
-        return pair_latency_s if ranks <= 2 else latency_s
-    return pair_latency_s + (latency_s - pair_latency_s) * min(1.0, (ranks - 2) / (world_size - 2))
+    w = _workload(world_size, 0, 0, 0, 0, 0, 0, ranks_per_host, None, local_aggregation)
+    return path_of(method, world_size, ranks_per_host, local_aggregation).round_trips(w)
 
 
 def latency_seconds(method: SyncMethod, world_size: int, latency_s: float, pair_latency_s: Optional[float] = None,
@@ -68,29 +51,15 @@ def latency_seconds(method: SyncMethod, world_size: int, latency_s: float, pair_
     of the backend's other collectives, when all-to-alls take a faster
     transport (default: the same); ``pair_latency_s``: an exchange between
     two ranks (default: ``backend_latency_s``, i.e. every exchange costs a
-    collective). Allgather: 2 all-to-alls; flat partitioned: 4; two-level:
-    1 + 4 among a host's L + 4 among the M hosts; tree: 2 + 2 log2 P
-    pairwise stages (+4 folding when N is not a power of two); torch (gloo's
-    ring all-gathers): 3 (N-1) pairwise hops; densify: an all-to-all and 2
-    all-reduces.
+    collective). Each method's ``latency`` says what it pays.
     """
-    n = world_size
-    if n <= 1:
+    if world_size <= 1:
         return 0.0
     backend = latency_s if backend_latency_s is None else backend_latency_s
     pair = backend if pair_latency_s is None else pair_latency_s
-    lws = host_layout(n, ranks_per_host)
-    if method is SyncMethod.PARTITIONED and local_aggregation and lws > 1:
-        return (latency_s + 4 * exchange_latency(lws, n, latency_s, pair)
-                + 4 * exchange_latency(n // lws, n, latency_s, pair))
-    if method is SyncMethod.TREE:
-        steps = latency_steps("tree", n)
-        return 2 * latency_s + (steps - 2) * pair
-    if method is SyncMethod.TORCH:
-        return latency_steps("torch", n) * pair
-    if method is SyncMethod.DENSIFY:
-        return latency_s + (COLLECTIVES_PER_METHOD[method] - 1) * backend
-    return COLLECTIVES_PER_METHOD[method] * latency_s
+    w = _workload(world_size, 0, 0, 0, 0, 0, 0, ranks_per_host, None, local_aggregation)
+    return path_of(method, world_size, ranks_per_host, local_aggregation).latency(w, Latencies(latency_s, backend,
+                                                                                               pair))
 
 
 def bottleneck_bytes(method: SyncMethod, world_size: int, num_rows: int, row_elems: int, elem_bytes: int,
@@ -98,27 +67,14 @@ def bottleneck_bytes(method: SyncMethod, world_size: int, num_rows: int, row_ele
                      union_node: Optional[float] = None, local_aggregation: bool = True) -> float:
     """Bytes ``method`` puts on the busiest link: a host's link when L ranks share it, else a rank's own.
 
-    With one rank per host (L = 1) these are the per-rank formulas of
-    :mod:`sparsecomm.cost_model`; with L > 1, ``host_link_bytes`` (the L
-    ranks' bytes to other hosts, added up: they share the link), and the
-    partitioned path is two-level when ``local_aggregation`` is on, as in the
-    hook. ``union_node`` (rows in the union of a host's ranks) defaults to
-    the power-law interpolation :func:`~sparsecomm.cost_model.union_rows`.
+    With L > 1 the partitioned path is two-level when ``local_aggregation``
+    is on, as in the hook. ``union_node`` (rows in the union of a host's
+    ranks) defaults to the power-law interpolation
+    :func:`~sparsecomm.cost_model.union_rows`.
     """
-    n, k, u = world_size, rows_mean, union_rows_
-    lws = host_layout(n, ranks_per_host)
-    row = row_elems * elem_bytes + index_bytes
-    if method is SyncMethod.DENSIFY:  # the table plus a one-byte row mask, whatever the layout
-        return dense_allreduce_bytes(n, num_rows, row_elems * elem_bytes + 1, 1)
-    if lws == 1:
-        return {SyncMethod.PARTITIONED: lambda: partitioned_floor_bytes(n, k, u, row),
-                SyncMethod.ALLGATHER: lambda: allgather_bytes(n, k, row),
-                SyncMethod.TORCH: lambda: allgather_bytes(n, k, row_elems * elem_bytes + 8),  # int64 ids
-                SyncMethod.TREE: lambda: tree_bytes(n, k, u, row)}[method]()
-    name = {SyncMethod.PARTITIONED: "two_level" if local_aggregation else "partitioned",
-            SyncMethod.ALLGATHER: "allgather", SyncMethod.TORCH: "torch", SyncMethod.TREE: "tree"}[method]
-    un = union_rows(lws, n, k, u) if union_node is None else union_node
-    return host_link_bytes(name, n // lws, lws, k, u, un, num_rows, row_elems, elem_bytes, index_bytes)
+    w = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows_, ranks_per_host,
+                  union_node, local_aggregation)
+    return path_of(method, world_size, ranks_per_host, local_aggregation).link_bytes(w)
 
 
 @dataclass(frozen=True)
@@ -138,10 +94,10 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
                   local_aggregation: bool = True) -> Decision:
     """Pick the cheapest allowed method by its time on the bottleneck link, or by fitted seconds when a fit is given.
 
-    Without a fit: seconds(m) = collectives(m, N) x latency + bytes on the
-    busiest link(m) / that link's bytes per second. The busiest link is a
-    host's when ``ranks_per_host`` L > 1 ranks share it (bytes of all L ranks
-    to other hosts, :func:`bottleneck_bytes`), else a rank's own. ``link``
+    Without a fit: seconds(m) = m's latency + bytes on the busiest link(m) /
+    that link's bytes per second. The busiest link is a host's when
+    ``ranks_per_host`` L > 1 ranks share it (bytes of all L ranks to other
+    hosts, :func:`bottleneck_bytes`), else a rank's own. ``link``
     (:func:`~sparsecomm.collectives.probe.measure_link`) gives the latency and
     the link's bytes/s; without it, costs are in bytes and a collective costs
     ``latency_bytes``. With a fit (:class:`~sparsecomm.cost_model.FittedCost`,
@@ -156,7 +112,7 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
         rows_mean: k, mean rows per rank after local coalescing.
         union_rows: U, rows in the union over ranks.
         latency_bytes: cost of one collective round trip, in bytes (used when ``link`` is None).
-        allowed: the methods to choose from (default: all but ``torch``, which needs gloo).
+        allowed: the methods to choose from (default: all but those that need a particular backend).
         fitted: a fitted time model; None (default) reads ``$SPARSECOMM_COST_FIT``
             when set (every rank must see the same file), False never uses one.
         link: the measured latency and host-link bytes/s (default: price in bytes).
@@ -170,30 +126,27 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
     if ranks_per_host is None:
         ranks_per_host = link.ranks_per_host if link is not None else 1
     lws = host_layout(world_size, ranks_per_host)
+    flat = [p for p in methods.PATHS if not p.hierarchical]
     # Bytes per rank (one rank per host), reported with the decision.
-    est = {m.value: bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean,
-                                     union_rows) for m in SyncMethod}
-    allowed = [m for m in SyncMethod if m is not SyncMethod.TORCH] if allowed is None else list(allowed)
+    w1 = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows)
+    est = {p.method.value: p.link_bytes(w1) for p in flat}
+    allowed = [p.method for p in flat if p.backend is None] if allowed is None else list(allowed)
     if world_size <= 1:
-        return Decision(SyncMethod.PARTITIONED, "world size 1: nothing to exchange", est)
+        return Decision(flat[0].method, "world size 1: nothing to exchange", est)
     fit = _fit(fitted)
-    priced = [m for m in allowed if fit is not None and _FITTED_NAME[m] in fit.coef]  # partitioned: see below
     density = union_rows / max(1, num_rows)
     shape = (f"(N={world_size}, L={lws}, k={rows_mean:.0f}, U={union_rows}, V={num_rows}, "
              f"union density {density:.2%})")
-    if priced:
-        # With several ranks per host the hook's partitioned path is two-level (local aggregation).
-        two_level = (fit.ranks_per_host > 1 and world_size > fit.ranks_per_host
-                     and world_size % fit.ranks_per_host == 0 and "two_level" in fit.coef)
-        name = dict(_FITTED_NAME, **({SyncMethod.PARTITIONED: "two_level"} if two_level else {}))
-        cost = {m: fit.seconds(name[m], world_size, rows_mean, union_rows, num_rows, row_elems,
-                               elem_bytes, index_bytes) for m in priced}
-        best = min(cost, key=lambda m: (cost[m], list(SyncMethod).index(m)))
+    fitted_paths = _fitted_paths(fit, allowed, world_size)
+    if fitted_paths:
+        w = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows)
+        cost = {m: fit.seconds(p, w) for m, p in fitted_paths.items()}
+        best = min(cost, key=lambda m: (cost[m], _order(m)))
         reason = "fitted s/call: " + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items()) + " " + shape
         return Decision(best, reason, est)
     cost = method_costs(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows,
                         allowed, latency_bytes, link, lws, union_node, local_aggregation)
-    best = min(cost, key=lambda m: (cost[m], list(SyncMethod).index(m)))
+    best = min(cost, key=lambda m: (cost[m], _order(m)))
     if link is not None:
         other = f"other collectives {link.other_latency_s * 1e3:.3g} ms, " if link.backend_latency_s is not None \
             else ""
@@ -205,6 +158,26 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
         reason = ("est. bytes on the busiest link incl. latency: "
                   + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items()) + " " + shape)
     return Decision(best, reason, est)
+
+
+def _order(method: SyncMethod) -> int:
+    # Ties go to the earlier method of SyncMethod.
+    return list(SyncMethod).index(method)
+
+
+def _fitted_paths(fit: Optional[FittedCost], allowed: Sequence[SyncMethod], world_size: int
+                  ) -> Dict[SyncMethod, SyncPath]:
+    """The path a fit prices for each allowed method it covers: hierarchical ones where its cluster has L > 1."""
+    if fit is None:
+        return {}
+    lws = fit.ranks_per_host
+    several = lws > 1 and world_size > lws and world_size % lws == 0
+    out = {}
+    for m in allowed:
+        flat, path = methods.path_for(m), methods.path_for(m, several)
+        if flat.fit_name in fit.coef:
+            out[m] = path if path.fit_name in fit.coef else flat
+    return out
 
 
 def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int, index_bytes: int,
@@ -221,8 +194,8 @@ def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int
     else:
         fixed = {m: collectives(m, world_size, lws, local_aggregation) * latency_bytes for m in allowed}
         bps = 1.0
-    return {m: fixed[m] + bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows_,
-                               lws, union_node, local_aggregation) / bps
+    return {m: fixed[m] + bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean,
+                                           union_rows_, lws, union_node, local_aggregation) / bps
             for m in allowed}
 
 

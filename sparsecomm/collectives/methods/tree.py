@@ -39,17 +39,16 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
-from sparsecomm.collectives.exchange import all_to_all, count_bytes
-from sparsecomm.collectives.sync_plan import ERR_OK, ERR_RANGE, Peers, Rows, SyncPlan
-from sparsecomm.cost_model import tree_schedule
-from sparsecomm.types import ReduceOp
+from sparsecomm.collectives.methods.base import Latencies, SyncPath, Workload
+from sparsecomm.collectives.sync_plan import Peers, SyncPlan, TensorRows
+from sparsecomm.collectives.transport import all_to_all, count_bytes
+from sparsecomm.cost_model import union_rows
+from sparsecomm.types import ReduceOp, SyncMethod, WireStatus
 
-__all__ = ["tree_allreduce", "tree_schedule"]
-
-ERR_COUNT = 3  # a partner announced a row count outside its bounds (ERR_RANGE, 1: ids outside the table)
+__all__ = ["PATH", "tree_allreduce", "tree_schedule", "tree_bytes", "host_bytes"]
 
 
-def tree_allreduce(t: Rows, peers: Peers, plan: SyncPlan) -> Tuple[torch.Tensor, torch.Tensor]:
+def tree_allreduce(t: TensorRows, peers: Peers, plan: SyncPlan) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sum one tensor's coalesced rows over the group by recursive doubling; see the module docstring.
 
     Returns:
@@ -67,7 +66,7 @@ def tree_allreduce(t: Rows, peers: Peers, plan: SyncPlan) -> Tuple[torch.Tensor,
     ids, values = t.ids, t.values
     if plan.op is ReduceOp.AVG:
         values = values.to(t.sum_dtype).div_(n).to(values.dtype)
-    err = ERR_OK
+    err = WireStatus.OK
 
     def bound(ranks: List[int]) -> int:
         return min(t.num_rows, sum(peers.k[r] for r in ranks))
@@ -81,7 +80,7 @@ def tree_allreduce(t: Rows, peers: Peers, plan: SyncPlan) -> Tuple[torch.Tensor,
         return link.finish(ids, values, err)
     if me + p < n:
         other_ids, other_values, err = link.recv_rows(me + p, bound([me + p]), err)
-        if err == ERR_OK:
+        if err == WireStatus.OK:
             ids, values, err = link.merge((ids, values), (other_ids, other_values))
     covered = 0  # bits merged so far
     for bit in bits:
@@ -89,7 +88,7 @@ def tree_allreduce(t: Rows, peers: Peers, plan: SyncPlan) -> Tuple[torch.Tensor,
         mine_bound = bound([r for q in range(p) if (q ^ me) & ~covered == 0 for r in folded(q)])
         theirs_bound = bound([r for q in range(p) if (q ^ partner) & ~covered == 0 for r in folded(q)])
         other_ids, other_values, err = link.swap(partner, ids, values, err, mine_bound, theirs_bound)
-        if err == ERR_OK:
+        if err == WireStatus.OK:
             lower, upper = ((ids, values), (other_ids, other_values))
             if partner < me:
                 lower, upper = upper, lower
@@ -103,7 +102,7 @@ def tree_allreduce(t: Rows, peers: Peers, plan: SyncPlan) -> Tuple[torch.Tensor,
 class _Link:
     """Point-to-point messages of one tensor's tree, with byte counting and the final verdict."""
 
-    def __init__(self, t: Rows, plan: SyncPlan):
+    def __init__(self, t: TensorRows, plan: SyncPlan):
         self.t, self.plan = t, plan
         self.dev = plan.comm_device
         self.wi = torch.empty(0, dtype=t.wire_ids).element_size()
@@ -116,7 +115,7 @@ class _Link:
         return r if g is None or g is dist.GroupMember.WORLD else dist.get_global_rank(g, r)
 
     def _count(self, ids: torch.Tensor, err: int) -> int:
-        return ids.shape[0] if err == ERR_OK else -1 - err
+        return ids.shape[0] if err == WireStatus.OK else -1 - err
 
     # ---- messages
 
@@ -175,13 +174,13 @@ class _Link:
         mine = self._count(ids, err)
         theirs = self._swap_ints(peer, mine, receive=True)
         if theirs < 0:
-            err = err or (-1 - theirs if -1 - theirs in (ERR_RANGE, ERR_COUNT) else ERR_COUNT)
+            err = err or (-1 - theirs if -1 - theirs in (WireStatus.ID_RANGE, WireStatus.BAD_COUNT) else WireStatus.BAD_COUNT)
         elif theirs > theirs_bound:
-            err = err or ERR_COUNT
+            err = err or WireStatus.BAD_COUNT
         # Both sides evaluate the same rule on the same two numbers: rows move both ways or not at all.
         move = 0 <= mine <= mine_bound and 0 <= theirs <= theirs_bound
         if not move:
-            return ids[:0], values[:0], err or ERR_COUNT
+            return ids[:0], values[:0], err or WireStatus.BAD_COUNT
         buf = self._rows(peer, self._pack(ids, values), theirs)
         other = self._unpack(buf, theirs) if buf is not None else (ids[:0], values[:0])
         return other[0], other[1], err
@@ -203,9 +202,9 @@ class _Link:
         empty = (t.ids[:0], t.values[:0])
         count = self._swap_ints(peer, None, receive=True)
         if count < 0:
-            return (*empty, err or (-1 - count if -1 - count in (ERR_RANGE, ERR_COUNT) else ERR_COUNT))
+            return (*empty, err or (-1 - count if -1 - count in (WireStatus.ID_RANGE, WireStatus.BAD_COUNT) else WireStatus.BAD_COUNT))
         if count > limit:  # no rows follow (the sender's rule); the verdict round fails every rank
-            return (*empty, err or ERR_COUNT)
+            return (*empty, err or WireStatus.BAD_COUNT)
         buf = self._rows(peer, None, count)
         got = self._unpack(buf, count) if buf is not None else empty
         return got[0], got[1], err
@@ -218,8 +217,8 @@ class _Link:
             # Received ids are bounds-checked here, before they index anything.
             ids, values = ops.coalesce_rows(ids, values, t.num_rows)
         except ValueError:
-            return ids[:0], t.values[:0], ERR_RANGE
-        return ids, values.to(t.values.dtype), ERR_OK
+            return ids[:0], t.values[:0], WireStatus.ID_RANGE
+        return ids, values.to(t.values.dtype), WireStatus.OK
 
     def finish(self, ids, values, err: int):
         """Every rank's error code to every rank (one all-to-all): raise together, or return the rows."""
@@ -233,10 +232,101 @@ class _Link:
                 self.recv[r] += 8
         count_bytes(self.t.stats, self.sent, self.recv, plan.rank, plan.peer_node)
         codes = got.tolist()
-        bad = [(r, c) for r, c in enumerate(codes) if c != ERR_OK]
+        bad = [(r, c) for r, c in enumerate(codes) if c != WireStatus.OK]
         if bad:
             r, c = bad[0]
-            what = "row ids outside [0, %d)" % self.t.num_rows if c == ERR_RANGE else "an impossible row count"
+            what = "row ids outside [0, %d)" % self.t.num_rows if c == WireStatus.ID_RANGE else "an impossible row count"
             raise ValueError(f"sparse_allreduce (tree): rank {r} received {what} from its partner "
                              f"(inconsistent data between ranks); nothing was returned")
         return ids, values
+
+
+# ----------------------------------------------------------------- pricing
+
+
+def tree_schedule(world_size: int, node_size: int = 1) -> Tuple[int, List[int]]:
+    """The tree's doubling size P (largest power of two <= N) and each stage's partner bit (``rank ^ bit``).
+
+    Bits that cross nodes come first when ``node_size`` is a power of two
+    dividing P (ranks of a node contiguous), so the large late stages stay
+    inside a node. Ranks P..N-1 fold into ranks 0..N-P-1 before the stages.
+    """
+    p = 1 << (world_size.bit_length() - 1) if world_size > 0 else 1
+    bits = [1 << i for i in range(p.bit_length() - 1)]
+    if 1 < node_size < p and p % node_size == 0 and node_size & (node_size - 1) == 0:
+        bits = [b for b in bits if b >= node_size] + [b for b in bits if b < node_size]
+    return p, bits
+
+
+def tree_bytes(world_size: int, k: float, union: float, row_bytes: float) -> float:
+    """Bytes the busiest rank sends on the tree path: sum over log2 P stages of its merged set so far.
+
+        sum_{s < log2 P} u(2^s N/P) r  (+ (k + U) r when N is not a power of two: fold in, result out)
+
+    u(m) is :func:`~sparsecomm.cost_model.union_rows`. Disjoint rows: (N-1) k r, like an allgather;
+    identical rows: log2(N) k r, against 2 (N-1)/N k r for partitioned.
+    """
+    n = world_size
+    if n <= 1:
+        return 0.0
+    p, bits = tree_schedule(n)
+    total = sum(union_rows((1 << s) * n / p, n, k, union) for s in range(len(bits)))
+    if n != p:
+        total += k + union
+    return total * row_bytes
+
+
+def host_bytes(w: Workload, hosts: int, lws: int, union_node: float) -> float:
+    """L sum over the stages between hosts of u(ranks covered) r (node bits first); folded ranks on other hosts."""
+    n = hosts * lws
+    if n <= 1 or hosts <= 1:
+        return 0.0
+    k, union = w.rows_mean, w.union_rows
+    p, bits = tree_schedule(n, lws)
+    covered, total = 1, 0.0
+    for bit in bits:
+        if bit >= lws:  # partner on another host
+            total += lws * union_rows(covered * n / p, n, k, union)
+        covered *= 2
+    if n != p:  # folded ranks: assume they sit on other hosts
+        total += (n - p) / hosts * (k + union)
+    return total * w.row_bytes
+
+
+def _steps(n: int) -> float:
+    """Messages on the critical path: the metadata, a count and a row message per stage, the verdict (+4 folding)."""
+    if n <= 1:
+        return 0.0
+    p, bits = tree_schedule(n)
+    return 2 + 2 * len(bits) + (4 if n != p else 0)
+
+
+def _link_bytes(w: Workload) -> float:
+    if w.lws == 1:
+        return tree_bytes(w.world_size, w.rows_mean, w.union_rows, w.row_bytes)
+    return host_bytes(w, w.hosts, w.lws, w.host_union)
+
+
+def _merged_rows(w: Workload) -> float:
+    n, k, union = w.world_size, w.rows_mean, w.union_rows
+    p, bits = tree_schedule(n)
+    return sum(2 * union_rows((1 << s) * n / p, n, k, union) for s in range(len(bits))) + k
+
+
+def _latency(w: Workload, lat: Latencies) -> float:
+    # The metadata and the verdict are all-to-alls; every stage's count and rows are pairwise messages.
+    return 2 * lat.all_to_all + (_steps(w.world_size) - 2) * lat.pair
+
+
+PATH = SyncPath(
+    name="tree",
+    method=SyncMethod.TREE,
+    round_trips=lambda w: _steps(w.world_size),
+    latency=_latency,
+    link_bytes=_link_bytes,
+    fit_steps=_steps,
+    host_bytes=host_bytes,
+    merged_rows=_merged_rows,
+    node_layout=True,
+    run=tree_allreduce,
+)
