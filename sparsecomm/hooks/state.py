@@ -12,9 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sparsecomm.collectives.dense import COMPRESSION_DTYPES, ring_allreduce_bytes
-from sparsecomm.collectives.groups import env_local_world_size, node_groups, twin_group
-from sparsecomm.collectives.groups import comm_device
+from sparsecomm.collectives.dense import COMPRESSION_DTYPES, max_over_ranks, ring_allreduce_bytes
+from sparsecomm.collectives.groups import comm_device, env_local_world_size, node_groups, twin_group
 from sparsecomm.collectives.probe import LinkProbe, measure_link
 from sparsecomm.hooks.classifier import Decision, choose_method, host_layout, method_costs
 from sparsecomm.hooks.tuner import MethodTuner, candidates_near
@@ -354,9 +353,7 @@ class SparseCommState:
         group = self.sparse_group
         like = torch.device("cuda", torch.cuda.current_device()) if self._backend != "gloo" and \
             torch.cuda.is_available() else torch.device("cpu")
-        times = torch.tensor(tuner.local_times(), dtype=torch.float64, device=comm_device(group, like))
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # under the group's timeout
-        agreed = times.tolist()
+        agreed = max_over_ranks(tuner.local_times(), group, comm_device(group, like))  # under the group's timeout
         tried = list(tuner.trying)
         best = tuner.settle(agreed)
         previous = self.decisions.get(name)
