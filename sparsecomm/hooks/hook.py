@@ -24,8 +24,7 @@ Example::
 # No `from __future__ import annotations`: DDP checks that the hook's bucket
 # annotation *is* dist.GradBucket, which string annotations fail.
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ from sparsecomm.collectives.groups import run_async
 from sparsecomm.collectives.sparse import sparse_allreduce_coalesced
 from sparsecomm.hooks.dense_rows import dense_embedding_slices, nonzero_rows, param_name, write_rows
 from sparsecomm.hooks.state import SparseCommState
+from sparsecomm.hooks.step import PendingSync
 from sparsecomm.hooks.unused import queue_cleanup
 from sparsecomm.types import SparseSyncStats, SyncMethod
 
@@ -44,20 +44,6 @@ __all__ = ["sparsecomm_hook", "register"]
 DENSE = "dense"
 DENSE_FUSED = "dense-fused"
 SPARSE_ROWS = "dense-embedding-rows"
-
-
-@dataclass
-class _Pending:
-    """One sparse tensor waiting for the step's fused synchronization."""
-
-    name: str
-    grad: torch.Tensor
-    method: SyncMethod
-    path: str                                   # counter name
-    call: int                                   # this parameter's sync count (classifier timing)
-    finish: Callable[[torch.Tensor], Any]       # reduced tensor -> the bucket future's value
-    future: torch.futures.Future = field(default_factory=torch.futures.Future)
-    decide: bool = True
 
 
 def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -72,17 +58,17 @@ def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.fu
     """
     buffer = bucket.buffer()
     fut = _sparse_bucket(state, bucket, buffer) if buffer.is_sparse else _dense_bucket(state, bucket, buffer)
-    if state._pending and bucket.is_last():
+    if state.step.has_held and bucket.is_last():
         _flush(state)
     if bucket.is_last():
         # Counters close when all of the step's work has completed.
-        step, state._step_futures = state._step_futures, []
+        futures = state.step.take_futures()
 
         def close(f: torch.futures.Future) -> torch.Tensor:
             state.end_step()
             return f.value()[0].value()
 
-        return torch.futures.collect_all([fut, *step]).then(close)
+        return torch.futures.collect_all([fut, *futures]).then(close)
     return fut
 
 
@@ -90,28 +76,21 @@ def _sparse_bucket(state: SparseCommState, bucket: dist.GradBucket, grad: torch.
     params = bucket.parameters()
     name = param_name(state, params[0], bucket, 0)
     method = state.method_for(name)
-    queue_cleanup(state)
+    queue_cleanup(state.step)
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         if out._nnz() == 0:
             # No rank touched the table: like single-process training, leave
             # its .grad None (see hooks.unused).
-            state._empty_sparse.append(params[0])
+            state.step.note_empty(params[0])
         return out
 
-    return _hold(state, _Pending(name, grad, method, method.value, state.next_call(name), finish))
-
-
-def _hold(state: SparseCommState, item: _Pending) -> torch.futures.Future:
-    """Keep ``item`` for the step's fused sync; its future completes when that sync does."""
-    state._pending.append(item)
-    state._step_futures.append(item.future)
-    return item.future
+    return state.step.hold(PendingSync(name, grad, method, method.value, state.next_call(name), finish))
 
 
 def _flush(state: SparseCommState) -> None:
     """Synchronize every sparse tensor held this step in one call; complete each one's future."""
-    items, state._pending = state._pending, []
+    items = state.step.take_held()
     tensors = [it.grad for it in items]
     stats = [SparseSyncStats() for _ in items]
     group = state.sparse_group
@@ -170,10 +149,10 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
         # rank sends to every rank: no collective of its own.
         row = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long, device=buffer.device), buffer.view(1, -1),
                                       (1, buffer.numel()), is_coalesced=True, check_invariants=False)
-        return _hold(state, _Pending(f"bucket{bucket.index()}", row, SyncMethod.ALLGATHER, DENSE_FUSED, 0,
-                                     lambda out: _finish_dense(state, buffer.copy_(out._values().view(-1)), bucket,
-                                                               None, start),
-                                     decide=False))
+        return state.step.hold(PendingSync(f"bucket{bucket.index()}", row, SyncMethod.ALLGATHER, DENSE_FUSED, 0,
+                                           lambda out: _finish_dense(state, buffer.copy_(out._values().view(-1)),
+                                                                     bucket, None, start),
+                                           decide=False))
     if not slices:
         fut = allreduce_mean_async(buffer, group, state.compression)
         wire = COMPRESSION_DTYPES[state.compression]
@@ -189,9 +168,9 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
             rest_parts.append((cursor, offset))
         cursor = offset + num_rows * dim
         table = buffer[offset:cursor].view(num_rows, dim)
-        futs.append(_hold(state, _Pending(name, nonzero_rows(table), SyncMethod.PARTITIONED, SPARSE_ROWS,
-                                          state.next_call(name), lambda out, table=table: write_rows(table, out),
-                                          decide=False)))
+        futs.append(state.step.hold(PendingSync(name, nonzero_rows(table), SyncMethod.PARTITIONED, SPARSE_ROWS,
+                                                state.next_call(name), lambda out, table=table: write_rows(table, out),
+                                                decide=False)))
     if cursor < buffer.numel():
         rest_parts.append((cursor, buffer.numel()))
     rest = torch.cat([buffer[a:b] for a, b in rest_parts]) if rest_parts else buffer.new_zeros(0)

@@ -16,7 +16,9 @@ from sparsecomm.collectives.dense import COMPRESSION_DTYPES, max_over_ranks, rin
 from sparsecomm.collectives.groups import comm_device, env_local_world_size, node_groups, twin_group
 from sparsecomm.collectives.probe import LinkProbe, measure_link
 from sparsecomm.hooks.classifier import Decision, choose_method, host_layout, method_costs
+from sparsecomm.hooks.step import StepWork
 from sparsecomm.hooks.tuner import MethodTuner, candidates_near
+from sparsecomm.hooks.unused import install_unused_table_hook
 from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod
 
 __all__ = ["SparseCommState", "PathStats"]
@@ -133,8 +135,7 @@ class SparseCommState:
         "tune", "tune_samples", "tune_every", "link", "_tuners",
         # internal state
         "world_size", "_sparse_group", "param_names", "dense_embedding_names", "decisions",
-        "iteration", "_decided_at", "_calls", "_suggested", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_clear_empty",
-        "_cleanup_queued", "_lock", "_backend",
+        "iteration", "_decided_at", "_calls", "_suggested", "step", "_capacity", "_lock", "_backend",
         # statistics
         "stats", "step_stats", "history",
     )
@@ -196,7 +197,6 @@ class SparseCommState:
         self._decided_at: Dict[str, int] = {}
         self._calls: Dict[str, int] = {}  # sparse syncs per parameter, counted on the autograd thread
         self._suggested: set = set()
-        self._clear_empty = False
         self.stats: Dict[str, PathStats] = _Counters()
         self.step_stats: Dict[str, PathStats] = _Counters()
         self.history: Deque[Dict[str, PathStats]] = collections.deque(maxlen=history)
@@ -204,11 +204,8 @@ class SparseCommState:
             self.attach(model)
 
     def _init_runtime(self) -> None:
-        self._pending: List[Any] = []         # sparse work of this step, synchronized together
-        self._step_futures: List[Any] = []    # futures of this step's sparse work (the step closes after them)
+        self.step = StepWork()                # what this backward has in flight (not pickled)
         self._capacity: Dict[Any, List[int]] = {}  # per set of tensors: rows to reserve (one-collective allgather)
-        self._empty_sparse: List[nn.Parameter] = []
-        self._cleanup_queued = False
         self._lock = threading.Lock()         # counters are updated from the autograd and the worker thread
 
     @property
@@ -229,8 +226,6 @@ class SparseCommState:
         Also installs the forward hook that keeps sparse tables a step does not
         use from breaking DDP (see :mod:`sparsecomm.hooks.unused`).
         """
-        from sparsecomm.hooks.unused import install_unused_table_hook
-
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         unknown = set(self.overrides)
         for name, p in module.named_parameters():
@@ -241,7 +236,7 @@ class SparseCommState:
         for mod_name, mod in module.named_modules():
             if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and not mod.sparse:
                 self.dense_embedding_names[f"{mod_name}.weight" if mod_name else "weight"] = tuple(mod.weight.shape)
-        install_unused_table_hook(module, self)
+        self.step.clears_empty = install_unused_table_hook(module) > 0
 
     def summary(self) -> str:
         """Describe what the hook did so far, for a person: steps, bytes and time per path, each table's path.
@@ -279,8 +274,7 @@ class SparseCommState:
         # Like PowerSGDState: process groups do not pickle; the restored state
         # uses the default group. Parameter names are keyed by this process's
         # tensor addresses: call attach(model) again after unpickling.
-        skip = {"process_group", "_sparse_group", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_cleanup_queued",
-                "_lock", "param_names", "_clear_empty"}
+        skip = {"process_group", "_sparse_group", "step", "_capacity", "_lock", "param_names"}
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -289,7 +283,6 @@ class SparseCommState:
         self.process_group = None
         self._sparse_group = None  # created on first use (a collective), not while unpickling
         self.param_names = {}
-        self._clear_empty = False
         self._init_runtime()
 
     # ------------------------------------------------------------- decisions
@@ -385,17 +378,27 @@ class SparseCommState:
         """Next step's reservation: the largest k any rank had, plus 1/16 and 8 rows of slack."""
         self._capacity[key] = [s.rows_local_max + s.rows_local_max // 16 + 8 for s in stats]
 
+    def hint_once(self, name: str) -> bool:
+        """True the first time ``name`` asks: a hint about a table is logged once (kept when pickled)."""
+        if name in self._suggested:
+            return False
+        self._suggested.add(name)
+        return True
+
     def next_call(self, name: str) -> int:
+        """Count a sync of parameter ``name`` (on the autograd thread, in program order) and return its number."""
         call = self._calls[name] = self._calls.get(name, 0) + 1
         return call
 
     def end_step(self) -> None:
+        """Close the step's counters into ``history`` (after all of its work has completed)."""
         with self._lock:
             self.history.append(dict(self.step_stats))
             self.step_stats = _Counters()
             self.iteration += 1
 
     def record(self, path: str, sent: int, recv: int, seconds: float) -> None:
+        """Add one call's bytes and time to ``path``'s counters, total and this step's."""
         with self._lock:
             self.stats[path].add(sent, recv, seconds)
             self.step_stats[path].add(sent, recv, seconds)
