@@ -10,7 +10,7 @@ per bucket, in bucket order, on every rank. Instead of one synchronization
 synchronizes them together with :func:`sparse_allreduce_coalesced` at the
 step's last bucket: four collectives per step whatever the number of tables,
 two when every table takes the allgather path. Small dense buckets ride in the
-same exchange (see ``SparseCommState.fuse_dense``). DDP only waits for the
+same exchange (see ``HookConfig.fuse_dense``). DDP only waits for the
 futures after the last bucket's hook; embeddings are the last gradients
 backward produces, so holding them costs (almost) no overlap.
 
@@ -101,13 +101,15 @@ def _flush(state: SparseCommState) -> None:
     allgather = all(it.method is SyncMethod.ALLGATHER for it in items)
     capacity = state.capacity_for(key) if allgather else None
 
+    config = state.config
+
     def job() -> List[torch.Tensor]:
         return sparse_allreduce_coalesced(tensors, group, op="avg", method=[it.method for it in items],
-                                          scheme=state.scheme, local_world_size=state.local_world_size or 1,
-                                          local_aggregation=state.local_aggregation, nonfinite=state.nonfinite,
+                                          scheme=config.scheme, local_world_size=state.local_world_size or 1,
+                                          local_aggregation=config.local_aggregation, nonfinite=config.nonfinite,
                                           stats=stats, capacity=capacity)
 
-    if state.overlap_sparse:
+    if config.overlap_sparse:
         fut = run_async(job, group=group, device=tensors[0].device)
     else:
         fut = torch.futures.Future()
@@ -154,8 +156,8 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
                                                                      bucket, None, start),
                                            decide=False))
     if not slices:
-        fut = allreduce_mean_async(buffer, group, state.compression)
-        wire = COMPRESSION_DTYPES[state.compression]
+        fut = allreduce_mean_async(buffer, group, state.config.compression)
+        wire = COMPRESSION_DTYPES[state.config.compression]
         elem = torch.empty(0, dtype=wire).element_size() if wire is not None else buffer.element_size()
         nbytes = ring_allreduce_bytes(buffer.numel(), elem, n)
         return fut.then(lambda f: _finish_dense(state, f.value(), bucket, nbytes, start))
@@ -174,7 +176,7 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
     if cursor < buffer.numel():
         rest_parts.append((cursor, buffer.numel()))
     rest = torch.cat([buffer[a:b] for a, b in rest_parts]) if rest_parts else buffer.new_zeros(0)
-    futs.append(allreduce_mean_async(rest, group, state.compression))
+    futs.append(allreduce_mean_async(rest, group, state.config.compression))
 
     def combine(f: torch.futures.Future) -> torch.Tensor:
         reduced = f.value()[-1].value()
@@ -192,7 +194,7 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
 
 def _finish_dense(state: SparseCommState, result: torch.Tensor, bucket: dist.GradBucket, nbytes: Optional[int],
                   start: float) -> torch.Tensor:
-    if state.nonfinite == "raise" and not all_finite(result):
+    if state.config.nonfinite == "raise" and not all_finite(result):
         # Checked on the reduced bucket, which is the same on every rank: all ranks raise together.
         names = [param_name(state, p, bucket, i) for i, p in enumerate(bucket.parameters())]
         raise ValueError(f"sparsecomm: NaN/Inf in the averaged gradients of {names} (some rank produced a "
@@ -213,7 +215,8 @@ def register(ddp_model: nn.parallel.DistributedDataParallel, process_group: Opti
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model.
         process_group: the group DDP uses (default: the default group).
-        **options: :class:`SparseCommState` settings (compression, overrides, ...).
+        **options: :class:`SparseCommState` options: ``config=HookConfig(...)`` and/or its fields
+            (compression, overrides, ...).
 
     Returns:
         The :class:`SparseCommState`: decisions and counters live there.
