@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Tuple
+from typing import Dict, List, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["dense_embedding_slices", "nonzero_rows", "write_rows"]
+__all__ = ["NamedParams", "dense_embedding_slices", "nonzero_rows", "write_rows"]
 
 logger = logging.getLogger("sparsecomm")
 
 
-def param_name(state: Any, p: torch.Tensor, bucket: dist.GradBucket, i: int) -> str:
+class NamedParams(Protocol):
+    """What this module reads of the hook's state (:class:`~sparsecomm.hooks.state.SparseCommState`)."""
+
+    param_names: Dict[int, str]                       # tensor address -> parameter name
+    dense_embedding_names: Dict[str, Tuple[int, int]]  # dense-gradient embedding weight -> its shape
+
+    @property
+    def sparse_dense_embeddings(self) -> bool: ...
+
+    def hint_once(self, name: str) -> bool: ...
+
+
+def param_name(state: NamedParams, p: torch.Tensor, bucket: dist.GradBucket, i: int) -> str:
     """The parameter's name in the model, or a stable stand-in (same on every rank)."""
     return state.param_names.get(p.data_ptr(), f"bucket{bucket.index()}.param{i}")
 
 
-def dense_embedding_slices(state: Any, bucket: dist.GradBucket, buffer: torch.Tensor
+def dense_embedding_slices(state: NamedParams, bucket: dist.GradBucket, buffer: torch.Tensor
                            ) -> List[Tuple[str, int, int, int]]:
     """(name, offset, rows, dim) of dense-gradient embedding weights in this bucket, by offset.
 
@@ -55,11 +67,10 @@ def write_rows(table: torch.Tensor, reduced: torch.Tensor) -> torch.Tensor:
     return table
 
 
-def _suggest_sparse_rows(state: Any, name: str, grad: torch.Tensor) -> None:
-    # Detection only (the first step): most rows zero means the sparse path would move far fewer bytes.
-    if name in state._suggested:
+def _suggest_sparse_rows(state: NamedParams, name: str, grad: torch.Tensor) -> None:
+    # Detection only (a table's first step): most rows zero means the sparse path would move far fewer bytes.
+    if not state.hint_once(name):
         return
-    state._suggested.add(name)
     touched = float((grad != 0).any(dim=1).float().mean())
     if touched < 0.1:
         logger.info("sparsecomm: %s has dense gradients but only %.2f%% of its rows are non-zero; "

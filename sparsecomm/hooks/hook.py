@@ -10,7 +10,7 @@ per bucket, in bucket order, on every rank. Instead of one synchronization
 synchronizes them together with :func:`sparse_allreduce_coalesced` at the
 step's last bucket: four collectives per step whatever the number of tables,
 two when every table takes the allgather path. Small dense buckets ride in the
-same exchange (see ``SparseCommState.fuse_dense``). DDP only waits for the
+same exchange (see ``HookConfig.fuse_dense``). DDP only waits for the
 futures after the last bucket's hook; embeddings are the last gradients
 backward produces, so holding them costs (almost) no overlap.
 
@@ -24,8 +24,7 @@ Example::
 # No `from __future__ import annotations`: DDP checks that the hook's bucket
 # annotation *is* dist.GradBucket, which string annotations fail.
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ from sparsecomm.collectives.groups import run_async
 from sparsecomm.collectives.sparse import sparse_allreduce_coalesced
 from sparsecomm.hooks.dense_rows import dense_embedding_slices, nonzero_rows, param_name, write_rows
 from sparsecomm.hooks.state import SparseCommState
+from sparsecomm.hooks.step import PendingSync
 from sparsecomm.hooks.unused import queue_cleanup
 from sparsecomm.types import SparseSyncStats, SyncMethod
 
@@ -44,20 +44,6 @@ __all__ = ["sparsecomm_hook", "register"]
 DENSE = "dense"
 DENSE_FUSED = "dense-fused"
 SPARSE_ROWS = "dense-embedding-rows"
-
-
-@dataclass
-class _Pending:
-    """One sparse tensor waiting for the step's fused synchronization."""
-
-    name: str
-    grad: torch.Tensor
-    method: SyncMethod
-    path: str                                   # counter name
-    call: int                                   # this parameter's sync count (classifier timing)
-    finish: Callable[[torch.Tensor], Any]       # reduced tensor -> the bucket future's value
-    future: torch.futures.Future = field(default_factory=torch.futures.Future)
-    decide: bool = True
 
 
 def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -72,17 +58,17 @@ def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.fu
     """
     buffer = bucket.buffer()
     fut = _sparse_bucket(state, bucket, buffer) if buffer.is_sparse else _dense_bucket(state, bucket, buffer)
-    if state._pending and bucket.is_last():
+    if state.step.has_held and bucket.is_last():
         _flush(state)
     if bucket.is_last():
         # Counters close when all of the step's work has completed.
-        step, state._step_futures = state._step_futures, []
+        futures = state.step.take_futures()
 
         def close(f: torch.futures.Future) -> torch.Tensor:
             state.end_step()
             return f.value()[0].value()
 
-        return torch.futures.collect_all([fut, *step]).then(close)
+        return torch.futures.collect_all([fut, *futures]).then(close)
     return fut
 
 
@@ -90,28 +76,21 @@ def _sparse_bucket(state: SparseCommState, bucket: dist.GradBucket, grad: torch.
     params = bucket.parameters()
     name = param_name(state, params[0], bucket, 0)
     method = state.method_for(name)
-    queue_cleanup(state)
+    queue_cleanup(state.step)
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         if out._nnz() == 0:
             # No rank touched the table: like single-process training, leave
             # its .grad None (see hooks.unused).
-            state._empty_sparse.append(params[0])
+            state.step.note_empty(params[0])
         return out
 
-    return _hold(state, _Pending(name, grad, method, method.value, state.next_call(name), finish))
-
-
-def _hold(state: SparseCommState, item: _Pending) -> torch.futures.Future:
-    """Keep ``item`` for the step's fused sync; its future completes when that sync does."""
-    state._pending.append(item)
-    state._step_futures.append(item.future)
-    return item.future
+    return state.step.hold(PendingSync(name, grad, method, method.value, state.next_call(name), finish))
 
 
 def _flush(state: SparseCommState) -> None:
     """Synchronize every sparse tensor held this step in one call; complete each one's future."""
-    items, state._pending = state._pending, []
+    items = state.step.take_held()
     tensors = [it.grad for it in items]
     stats = [SparseSyncStats() for _ in items]
     group = state.sparse_group
@@ -122,13 +101,15 @@ def _flush(state: SparseCommState) -> None:
     allgather = all(it.method is SyncMethod.ALLGATHER for it in items)
     capacity = state.capacity_for(key) if allgather else None
 
+    config = state.config
+
     def job() -> List[torch.Tensor]:
         return sparse_allreduce_coalesced(tensors, group, op="avg", method=[it.method for it in items],
-                                          scheme=state.scheme, local_world_size=state.local_world_size or 1,
-                                          local_aggregation=state.local_aggregation, nonfinite=state.nonfinite,
+                                          scheme=config.scheme, local_world_size=state.local_world_size or 1,
+                                          local_aggregation=config.local_aggregation, nonfinite=config.nonfinite,
                                           stats=stats, capacity=capacity)
 
-    if state.overlap_sparse:
+    if config.overlap_sparse:
         fut = run_async(job, group=group, device=tensors[0].device)
     else:
         fut = torch.futures.Future()
@@ -170,13 +151,13 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
         # rank sends to every rank: no collective of its own.
         row = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long, device=buffer.device), buffer.view(1, -1),
                                       (1, buffer.numel()), is_coalesced=True, check_invariants=False)
-        return _hold(state, _Pending(f"bucket{bucket.index()}", row, SyncMethod.ALLGATHER, DENSE_FUSED, 0,
-                                     lambda out: _finish_dense(state, buffer.copy_(out._values().view(-1)), bucket,
-                                                               None, start),
-                                     decide=False))
+        return state.step.hold(PendingSync(f"bucket{bucket.index()}", row, SyncMethod.ALLGATHER, DENSE_FUSED, 0,
+                                           lambda out: _finish_dense(state, buffer.copy_(out._values().view(-1)),
+                                                                     bucket, None, start),
+                                           decide=False))
     if not slices:
-        fut = allreduce_mean_async(buffer, group, state.compression)
-        wire = COMPRESSION_DTYPES[state.compression]
+        fut = allreduce_mean_async(buffer, group, state.config.compression)
+        wire = COMPRESSION_DTYPES[state.config.compression]
         elem = torch.empty(0, dtype=wire).element_size() if wire is not None else buffer.element_size()
         nbytes = ring_allreduce_bytes(buffer.numel(), elem, n)
         return fut.then(lambda f: _finish_dense(state, f.value(), bucket, nbytes, start))
@@ -189,13 +170,13 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
             rest_parts.append((cursor, offset))
         cursor = offset + num_rows * dim
         table = buffer[offset:cursor].view(num_rows, dim)
-        futs.append(_hold(state, _Pending(name, nonzero_rows(table), SyncMethod.PARTITIONED, SPARSE_ROWS,
-                                          state.next_call(name), lambda out, table=table: write_rows(table, out),
-                                          decide=False)))
+        futs.append(state.step.hold(PendingSync(name, nonzero_rows(table), SyncMethod.PARTITIONED, SPARSE_ROWS,
+                                                state.next_call(name), lambda out, table=table: write_rows(table, out),
+                                                decide=False)))
     if cursor < buffer.numel():
         rest_parts.append((cursor, buffer.numel()))
     rest = torch.cat([buffer[a:b] for a, b in rest_parts]) if rest_parts else buffer.new_zeros(0)
-    futs.append(allreduce_mean_async(rest, group, state.compression))
+    futs.append(allreduce_mean_async(rest, group, state.config.compression))
 
     def combine(f: torch.futures.Future) -> torch.Tensor:
         reduced = f.value()[-1].value()
@@ -213,7 +194,7 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
 
 def _finish_dense(state: SparseCommState, result: torch.Tensor, bucket: dist.GradBucket, nbytes: Optional[int],
                   start: float) -> torch.Tensor:
-    if state.nonfinite == "raise" and not all_finite(result):
+    if state.config.nonfinite == "raise" and not all_finite(result):
         # Checked on the reduced bucket, which is the same on every rank: all ranks raise together.
         names = [param_name(state, p, bucket, i) for i, p in enumerate(bucket.parameters())]
         raise ValueError(f"sparsecomm: NaN/Inf in the averaged gradients of {names} (some rank produced a "
@@ -234,7 +215,8 @@ def register(ddp_model: nn.parallel.DistributedDataParallel, process_group: Opti
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model.
         process_group: the group DDP uses (default: the default group).
-        **options: :class:`SparseCommState` settings (compression, overrides, ...).
+        **options: :class:`SparseCommState` options: ``config=HookConfig(...)`` and/or its fields
+            (compression, overrides, ...).
 
     Returns:
         The :class:`SparseCommState`: decisions and counters live there.

@@ -1,30 +1,37 @@
-"""Settings, decisions and counters of the DDP hook (:class:`SparseCommState`)."""
+"""Settings, decisions and counters of the DDP hook (:class:`SparseCommState`).
+
+Shaped like PyTorch's ``PowerSGDState``: one state object per DDP model holds
+the hook's settings (a :class:`~sparsecomm.hooks.config.HookConfig`), its
+internal state (per-table decisions, the tuners, the step in flight) and its
+statistics (per-path counters); it pickles without its process group.
+"""
 
 from __future__ import annotations
 
 import collections
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from sparsecomm.collectives.dense import COMPRESSION_DTYPES, ring_allreduce_bytes
-from sparsecomm.collectives.groups import env_local_world_size, node_groups, twin_group
-from sparsecomm.collectives.groups import comm_device
+from sparsecomm.collectives.dense import max_over_ranks, ring_allreduce_bytes
+from sparsecomm.collectives.groups import comm_device, env_local_world_size, node_groups, twin_group
 from sparsecomm.collectives.probe import LinkProbe, measure_link
 from sparsecomm.hooks.classifier import Decision, choose_method, host_layout, method_costs
+from sparsecomm.hooks.config import HookConfig
+from sparsecomm.hooks.step import StepWork
 from sparsecomm.hooks.tuner import MethodTuner, candidates_near
-from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod
+from sparsecomm.hooks.unused import install_unused_table_hook
+from sparsecomm.types import SparseSyncStats, SyncMethod
 
 __all__ = ["SparseCommState", "PathStats"]
 
 logger = logging.getLogger("sparsecomm")
 
-_OVERRIDES = {"auto", *(m.value for m in SyncMethod)}
 _FUSABLE = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _MAX_FUSED_DENSE_BYTES = 4 << 20  # above this, a ring allreduce's bytes win whatever the latency
 
@@ -71,6 +78,19 @@ class _Decisions(dict):
         return "sparsecomm decisions:\n" + "\n".join(rows)
 
 
+def _setting(name: str) -> property:
+    """``state.<name>``: the config's setting; assigning one re-validates (a new config, as the old one is frozen)."""
+
+    def get(self: "SparseCommState") -> Any:
+        return getattr(self.config, name)
+
+    def set_(self: "SparseCommState", value: Any) -> None:
+        # A state made without __init__ (a decision tested alone) starts from the defaults.
+        self.config = replace(getattr(self, "config", None) or HookConfig(), **{name: value})
+
+    return property(get, set_, doc=f"``config.{name}`` (see :class:`HookConfig`).")
+
+
 class SparseCommState:
     r"""Settings, decisions and counters of :func:`sparsecomm.sparsecomm_hook`.
 
@@ -82,112 +102,67 @@ class SparseCommState:
             it, all sparse buckets of a step are still synchronized together
             (at the step's last bucket), but a sparse table unused in a step
             fails inside DDP as it does without the hook.
-        compression: None, "fp16" or "bf16": dense buckets travel in half
-            precision (sparse rows always travel in their own dtype).
-        overrides: ``{parameter name: "partitioned" | "allgather" | "densify" | "torch" | "auto"}``.
-        sparse_dense_embeddings: for embeddings trained with dense gradients
-            (``sparse=False``), send only their non-zero rows through the
-            sparse path (exact: zero rows stay zero). Off by default.
-        scheme: row ownership of the partitioned path, "hash" or "range".
-        local_world_size, local_aggregation: node layout for two-level
-            aggregation (see :func:`sparsecomm.sparse_allreduce`); default:
-            what the launcher says for the default group, else 1.
-        nonfinite: "propagate" (default: NaN/Inf pass through the sums, as
-            with plain DDP, so AMP's ``GradScaler`` sees them and skips the
-            step) or "raise" (``ValueError`` on every rank; costs a host
-            synchronization per bucket).
-        latency_bytes: the classifier's price of one collective, in bytes;
-            None (default) measures the link at construction instead (a few
-            tiny and a few 4 MiB all-to-alls on the hook's group: 10-50 ms on
-            a fast network, seconds on a 100 Mbit/s one): a collective's
-            latency and the bytes/s of a host's link, shared by the
-            ``local_world_size`` ranks of a host; the classifier then prices
-            each path by its latency and the bytes it puts on that link.
-        reclassify_every: re-decide auto paths every this many steps (0: decide once).
-        tune: measure instead of trusting the model (off by default): after a
-            table's first sync, try each path the model rates within 4x of
-            its best (and the best) for ``tune_samples`` + 1 syncs, the first
-            of each not counted; every rank takes the path fastest on the
-            slowest rank (one small all-reduce per exploration phase, on the
-            hook's group, under its timeout), and re-measures it and the
-            paths that came within 2x every ``tune_every`` syncs.
-        history: how many past steps of per-path counters to keep.
-        fuse_dense: let small dense buckets ride in the step's sparse
-            exchange (every rank sends its bucket to every rank, which sums
-            them in rank order) instead of an allreduce of their own, where
-            the cost model says a collective's latency is worth more than
-            the extra bytes (default True; never with ``compression``).
-        overlap_sparse: run the step's fused synchronization on the hook
-            group's worker thread; False (default) runs it on the autograd
-            thread: it starts at the step's last bucket, so nothing is left to
-            overlap and the thread hop measured 1.3 ms per step here. Either
-            way only one thread ever uses the hook's group.
+        config: the tunable settings (:class:`HookConfig`; default: its defaults).
+        **options: :class:`HookConfig` fields (``compression="bf16"``, ...),
+            applied over ``config``.
+
+    The settings read as ``state.config`` and, as attributes, ``state.compression``
+    and the like. ``local_world_size`` and ``latency_bytes`` are the values
+    in use: the launcher's node size where the config leaves it None, the
+    measured price of a collective where the config has none.
 
     Raises:
-        ValueError: an unknown compression, override or scheme.
+        ValueError: a bad setting (see :class:`HookConfig`), or an override
+            the group's backend cannot run.
+        TypeError: an option that is not a :class:`HookConfig` field.
     """
 
     __slots__ = (
         # tunable settings
-        "process_group", "compression", "overrides", "sparse_dense_embeddings", "scheme", "local_world_size",
-        "local_aggregation", "nonfinite", "latency_bytes", "reclassify_every", "overlap_sparse", "fuse_dense",
-        "tune", "tune_samples", "tune_every", "link", "_tuners",
+        "config", "process_group",
         # internal state
-        "world_size", "_sparse_group", "param_names", "dense_embedding_names", "decisions",
-        "iteration", "_decided_at", "_calls", "_suggested", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_clear_empty",
-        "_cleanup_queued", "_lock", "_backend",
+        "world_size", "local_world_size", "latency_bytes", "link", "_backend", "_sparse_group", "_tuners",
+        "param_names", "dense_embedding_names", "decisions", "iteration", "_decided_at", "_calls", "_suggested",
+        "step", "_capacity", "_lock",
         # statistics
         "stats", "step_stats", "history",
     )
 
+    compression = _setting("compression")
+    overrides = _setting("overrides")
+    sparse_dense_embeddings = _setting("sparse_dense_embeddings")
+    scheme = _setting("scheme")
+    local_aggregation = _setting("local_aggregation")
+    nonfinite = _setting("nonfinite")
+    reclassify_every = _setting("reclassify_every")
+    overlap_sparse = _setting("overlap_sparse")
+    fuse_dense = _setting("fuse_dense")
+    tune = _setting("tune")
+    tune_samples = _setting("tune_samples")
+    tune_every = _setting("tune_every")
+
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, model: Optional[nn.Module] = None,
-                 compression: Optional[str] = None, overrides: Optional[Dict[str, str]] = None,
-                 sparse_dense_embeddings: bool = False, scheme: str = "hash",
-                 local_world_size: Optional[int] = None, local_aggregation: bool = True,
-                 nonfinite: str = "propagate", latency_bytes: Optional[float] = None, reclassify_every: int = 0,
-                 history: int = 100, overlap_sparse: bool = False, fuse_dense: bool = True,
-                 tune: bool = False, tune_samples: int = 2, tune_every: int = 500) -> None:
-        if compression not in COMPRESSION_DTYPES:
-            raise ValueError(f"compression must be 'fp16', 'bf16' or None, got {compression!r}")
-        overrides = dict(overrides or {})
-        for name, path in overrides.items():
-            if path not in _OVERRIDES:
-                raise ValueError(f"override for {name!r} must be one of {sorted(_OVERRIDES)}, got {path!r}")
-        PartitionScheme(scheme)
-        if nonfinite not in ("raise", "propagate"):
-            raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
-        if reclassify_every < 0:
-            raise ValueError("reclassify_every must be >= 0")
-        if tune_samples < 1 or tune_every < 0:
-            raise ValueError("tune_samples must be >= 1 and tune_every >= 0")
+                 config: Optional[HookConfig] = None, **options: Any) -> None:
+        config = replace(config, **options) if config is not None else HookConfig(**options)
+        self.config = config
         self.process_group = process_group
         self._backend = dist.get_backend(process_group)
-        if self._backend != "gloo" and "torch" in overrides.values():
+        if self._backend != "gloo" and "torch" in config.overrides.values():
             raise ValueError("override 'torch' (the backend's sparse all_reduce) needs a gloo group")
-        self.compression = None if compression == "none" else compression
-        self.overrides = overrides
-        self.sparse_dense_embeddings = sparse_dense_embeddings
-        self.scheme = scheme
-        self.local_aggregation = local_aggregation
-        self.nonfinite = nonfinite
-        self.reclassify_every = reclassify_every
-        self.overlap_sparse = overlap_sparse
-        self.fuse_dense = fuse_dense
-
         self.world_size = dist.get_world_size(process_group)
+        local_world_size = config.local_world_size
         if local_world_size is None and (process_group is None or process_group is dist.GroupMember.WORLD):
             local_world_size = env_local_world_size()  # what the launcher says, as sparse_allreduce does
         self.local_world_size = local_world_size
         self._sparse_group = None
         self.sparse_group  # collective: create the hook's groups now, on every rank, not mid-backward
-        self.tune, self.tune_samples, self.tune_every = tune, tune_samples, tune_every
         self.link: Optional[LinkProbe] = None
-        if latency_bytes is None:
+        if config.latency_bytes is None:
             self.link = measure_link(self.sparse_group, ranks_per_host=host_layout(self.world_size,
                                                                                    local_world_size))
             self.latency_bytes = self.link.latency_bytes
         else:
-            self.latency_bytes = float(latency_bytes)
+            self.latency_bytes = float(config.latency_bytes)
         self._tuners: Dict[str, MethodTuner] = {}
         self._init_runtime()
         self.param_names: Dict[int, str] = {}
@@ -197,19 +172,15 @@ class SparseCommState:
         self._decided_at: Dict[str, int] = {}
         self._calls: Dict[str, int] = {}  # sparse syncs per parameter, counted on the autograd thread
         self._suggested: set = set()
-        self._clear_empty = False
         self.stats: Dict[str, PathStats] = _Counters()
         self.step_stats: Dict[str, PathStats] = _Counters()
-        self.history: Deque[Dict[str, PathStats]] = collections.deque(maxlen=history)
+        self.history: Deque[Dict[str, PathStats]] = collections.deque(maxlen=config.history)
         if model is not None:
             self.attach(model)
 
     def _init_runtime(self) -> None:
-        self._pending: List[Any] = []         # sparse work of this step, synchronized together
-        self._step_futures: List[Any] = []    # futures of this step's sparse work (the step closes after them)
+        self.step = StepWork()                # what this backward has in flight (not pickled)
         self._capacity: Dict[Any, List[int]] = {}  # per set of tensors: rows to reserve (one-collective allgather)
-        self._empty_sparse: List[nn.Parameter] = []
-        self._cleanup_queued = False
         self._lock = threading.Lock()         # counters are updated from the autograd and the worker thread
 
     @property
@@ -218,7 +189,7 @@ class SparseCommState:
         if self._sparse_group is None:
             self._sparse_group = twin_group(self.process_group, purpose="ddp-hook")
             lws = self.local_world_size
-            if lws and self.local_aggregation and 1 < lws < self.world_size and self.world_size % lws == 0:
+            if lws and self.config.local_aggregation and 1 < lws < self.world_size and self.world_size % lws == 0:
                 node_groups(self._sparse_group, lws)  # collective: build now
         return self._sparse_group
 
@@ -230,10 +201,8 @@ class SparseCommState:
         Also installs the forward hook that keeps sparse tables a step does not
         use from breaking DDP (see :mod:`sparsecomm.hooks.unused`).
         """
-        from sparsecomm.hooks.unused import install_unused_table_hook
-
         module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-        unknown = set(self.overrides)
+        unknown = set(self.config.overrides)
         for name, p in module.named_parameters():
             self.param_names[p.data_ptr()] = name
             unknown.discard(name)
@@ -242,7 +211,7 @@ class SparseCommState:
         for mod_name, mod in module.named_modules():
             if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and not mod.sparse:
                 self.dense_embedding_names[f"{mod_name}.weight" if mod_name else "weight"] = tuple(mod.weight.shape)
-        install_unused_table_hook(module, self)
+        self.step.clears_empty = install_unused_table_hook(module) > 0
 
     def summary(self) -> str:
         """Describe what the hook did so far, for a person: steps, bytes and time per path, each table's path.
@@ -265,7 +234,7 @@ class SparseCommState:
                 f"(L={self.link.ranks_per_host})" if self.link is not None else "")
         lines = [f"sparsecomm hook: {self.iteration} steps, world size {self.world_size}, "
                  f"one collective ~ {self.latency_bytes:.3g} bytes{link}", repr(self.stats), repr(self.decisions)]
-        forced = {k: v for k, v in self.overrides.items() if v != "auto"}
+        forced = {k: v for k, v in self.config.overrides.items() if v != "auto"}
         if forced:
             lines.append("overrides (no decision): " + ", ".join(f"{k} -> {v}" for k, v in sorted(forced.items())))
         return "\n".join(lines)
@@ -280,8 +249,7 @@ class SparseCommState:
         # Like PowerSGDState: process groups do not pickle; the restored state
         # uses the default group. Parameter names are keyed by this process's
         # tensor addresses: call attach(model) again after unpickling.
-        skip = {"process_group", "_sparse_group", "_pending", "_step_futures", "_capacity", "_empty_sparse", "_cleanup_queued",
-                "_lock", "param_names", "_clear_empty"}
+        skip = {"process_group", "_sparse_group", "step", "_capacity", "_lock", "param_names"}
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -290,14 +258,13 @@ class SparseCommState:
         self.process_group = None
         self._sparse_group = None  # created on first use (a collective), not while unpickling
         self.param_names = {}
-        self._clear_empty = False
         self._init_runtime()
 
     # ------------------------------------------------------------- decisions
 
     def method_for(self, name: str) -> SyncMethod:
         """The path the next call for parameter ``name`` takes."""
-        forced = self.overrides.get(name, "auto")
+        forced = self.config.overrides.get(name, "auto")
         if forced != "auto":
             return SyncMethod(forced)
         tuner = self._tuners.get(name)
@@ -317,7 +284,7 @@ class SparseCommState:
         """
         # `call` is this parameter's sync count, taken on the autograd thread in
         # program order: the same on every rank, unlike `iteration`.
-        if self.overrides.get(name, "auto") != "auto":
+        if self.config.overrides.get(name, "auto") != "auto":
             return
         tuner = self._tuners.get(name)
         if tuner is not None:
@@ -325,7 +292,7 @@ class SparseCommState:
                 self._settle(name, tuner, s)
             return
         last = self._decided_at.get(name)
-        if last is not None and not (self.reclassify_every and call - last >= self.reclassify_every):
+        if last is not None and not (self.config.reclassify_every and call - last >= self.config.reclassify_every):
             return
         n = s.world_size
         allowed = [m for m in SyncMethod if m is not SyncMethod.TORCH or self._backend == "gloo"]
@@ -333,16 +300,16 @@ class SparseCommState:
         shape = (n, s.num_rows, s.row_bytes // elem_bytes, elem_bytes, s.index_bytes, s.rows_local_sum / max(1, n),
                  s.rows_out)
         decision = choose_method(*shape, self.latency_bytes, allowed=allowed, link=self.link, ranks_per_host=lws,
-                                 local_aggregation=self.local_aggregation)
-        if self.tune and n > 1:
+                                 local_aggregation=self.config.local_aggregation)
+        if self.config.tune and n > 1:
             costs = method_costs(*shape, allowed, self.latency_bytes, self.link, lws,
-                                 local_aggregation=self.local_aggregation)
+                                 local_aggregation=self.config.local_aggregation)
             candidates = candidates_near(costs, 4.0, allowed)
             if decision.method not in candidates:  # a fitted model's pick
                 candidates.insert(0, decision.method)
             if len(candidates) > 1:
-                self._tuners[name] = MethodTuner(candidates, start=call + 1, warmup=1, samples=self.tune_samples,
-                                                 every=self.tune_every)
+                self._tuners[name] = MethodTuner(candidates, start=call + 1, warmup=1,
+                                                 samples=self.config.tune_samples, every=self.config.tune_every)
         previous = self.decisions.get(name)
         self.decisions[name] = decision
         self._decided_at[name] = call
@@ -354,9 +321,7 @@ class SparseCommState:
         group = self.sparse_group
         like = torch.device("cuda", torch.cuda.current_device()) if self._backend != "gloo" and \
             torch.cuda.is_available() else torch.device("cpu")
-        times = torch.tensor(tuner.local_times(), dtype=torch.float64, device=comm_device(group, like))
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # under the group's timeout
-        agreed = times.tolist()
+        agreed = max_over_ranks(tuner.local_times(), group, comm_device(group, like))  # under the group's timeout
         tried = list(tuner.trying)
         best = tuner.settle(agreed)
         previous = self.decisions.get(name)
@@ -369,7 +334,7 @@ class SparseCommState:
 
     def fuses_dense(self, buffer: torch.Tensor) -> bool:
         """Should this dense bucket ride in the step's sparse exchange? (Same answer on every rank.)"""
-        if not self.fuse_dense or self.compression is not None or buffer.dtype not in _FUSABLE:
+        if not self.config.fuse_dense or self.config.compression is not None or buffer.dtype not in _FUSABLE:
             return False
         n, nbytes = self.world_size, buffer.numel() * buffer.element_size()
         extra = (n - 1) * nbytes - ring_allreduce_bytes(buffer.numel(), buffer.element_size(), n)
@@ -388,17 +353,27 @@ class SparseCommState:
         """Next step's reservation: the largest k any rank had, plus 1/16 and 8 rows of slack."""
         self._capacity[key] = [s.rows_local_max + s.rows_local_max // 16 + 8 for s in stats]
 
+    def hint_once(self, name: str) -> bool:
+        """True the first time ``name`` asks: a hint about a table is logged once (kept when pickled)."""
+        if name in self._suggested:
+            return False
+        self._suggested.add(name)
+        return True
+
     def next_call(self, name: str) -> int:
+        """Count a sync of parameter ``name`` (on the autograd thread, in program order) and return its number."""
         call = self._calls[name] = self._calls.get(name, 0) + 1
         return call
 
     def end_step(self) -> None:
+        """Close the step's counters into ``history`` (after all of its work has completed)."""
         with self._lock:
             self.history.append(dict(self.step_stats))
             self.step_stats = _Counters()
             self.iteration += 1
 
     def record(self, path: str, sent: int, recv: int, seconds: float) -> None:
+        """Add one call's bytes and time to ``path``'s counters, total and this step's."""
         with self._lock:
             self.stats[path].add(sent, recv, seconds)
             self.step_stats[path].add(sent, recv, seconds)

@@ -1,8 +1,8 @@
 """A measured choice of sync method: try each candidate for a few syncs, agree on the timings, keep the fastest.
 
-The cost model (:mod:`sparsecomm.hooks.classifier`) can be wrong by 2-4x on a
-given cluster (TCP incast on an all-to-all, a shared CPU, a switch); timing
-the candidates cannot. :class:`MethodTuner` is the schedule and the rule, with
+The cost model (:mod:`sparsecomm.hooks.classifier`) can be wrong on a given
+cluster (TCP incast on an all-to-all, a shared CPU, a switch); timing the
+candidates cannot. :class:`MethodTuner` is the schedule and the rule, with
 no communication of its own, so every rank that feeds it the same call
 numbers and the same agreed times makes the same choice:
 

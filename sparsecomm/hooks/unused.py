@@ -17,6 +17,8 @@ from typing import Any, List, Optional
 import torch
 import torch.nn as nn
 
+from sparsecomm.hooks.step import StepWork
+
 __all__ = ["sparse_params", "install_unused_table_hook", "queue_cleanup"]
 
 
@@ -26,12 +28,15 @@ def sparse_params(module: nn.Module) -> List[nn.Parameter]:
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
 
 
-def install_unused_table_hook(module: nn.Module, state: Any) -> int:
-    """Install the forward hook once per module; return how many sparse tables it covers."""
+def install_unused_table_hook(module: nn.Module) -> int:
+    """Install the forward hook once per module; return how many sparse tables it covers.
+
+    The caller clears the empty gradients of those tables after each step
+    (:func:`queue_cleanup`) when there is at least one.
+    """
     params = sparse_params(module)
     if params and getattr(module, "_sparsecomm_unused_hook", None) is None:
         module._sparsecomm_unused_hook = module.register_forward_hook(_touch(params))
-    state._clear_empty = bool(params)
     return len(params)
 
 
@@ -82,23 +87,20 @@ def _replace_first_grad_tensor(obj: Any, new: torch.Tensor) -> Any:
     return walk(obj)
 
 
-def queue_cleanup(state: Any) -> None:
-    """Once per backward: after DDP's finalize, set ``.grad = None`` on tables no rank touched."""
-    if not state._clear_empty or state._cleanup_queued:
+def queue_cleanup(step: StepWork) -> None:
+    """Once per backward: after DDP's finalize, set ``.grad = None`` on the tables ``step`` noted empty."""
+    if not step.claim_cleanup():
         return
     # DDP queues its finalize (which waits for our futures and assigns the
     # gradients) after the last bucket's hook, i.e. after this callback.
     # Callbacks queued while the engine runs callbacks run after all those
     # already queued, so re-queue once to run after DDP's finalize.
-    state._cleanup_queued = True
     engine = torch.autograd.Variable._execution_engine
-    engine.queue_callback(lambda: engine.queue_callback(lambda: _clear_empty_grads(state)))
+    engine.queue_callback(lambda: engine.queue_callback(lambda: _clear_empty_grads(step)))
 
 
-def _clear_empty_grads(state: Any) -> None:
-    for p in state._empty_sparse:
+def _clear_empty_grads(step: StepWork) -> None:
+    for p in step.end_cleanup():
         g = p.grad
         if g is not None and g.is_sparse and g._nnz() == 0:
             p.grad = None
-    state._empty_sparse.clear()
-    state._cleanup_queued = False
