@@ -9,7 +9,7 @@ from sparsecomm import ops
 from sparsecomm.collectives import last_stats, sparse_allreduce, sparse_allreduce_coalesced
 from sparsecomm.collectives.bootstrap import init_distributed, shutdown, topology
 from sparsecomm import sharded
-from sparsecomm.hooks import SparseCommState, register, sparsecomm_hook
+from sparsecomm.hooks import HookConfig, SparseCommState, register, sparsecomm_hook
 from sparsecomm.planner import Plan, TablePlan, plan
 from sparsecomm.parallel import parallelize
 from sparsecomm.sharded.combined import ParallelOptimizer
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ops", "init_distributed", "shutdown", "topology",
     "sparse_allreduce", "sparse_allreduce_coalesced", "last_stats", "SparseSyncStats", "SyncMethod", "PartitionScheme", "Topology",
-    "register", "sparsecomm_hook", "SparseCommState",
+    "register", "sparsecomm_hook", "SparseCommState", "HookConfig",
     "plan", "Plan", "TablePlan", "parallelize", "ParallelOptimizer",
     "sharded", "ShardedEmbedding", "ShardedEmbeddingBag", "ShardedSGD", "ShardedAdagrad", "ShardedAdam",
     "__version__",

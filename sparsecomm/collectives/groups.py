@@ -15,10 +15,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.launchers import env_local_world_size
-
-__all__ = ["group_key", "group_ranks", "group_timeout", "comm_device", "env_local_world_size", "node_groups",
-           "twin_group", "run_async", "forget"]
+__all__ = ["group_key", "group_ranks", "group_timeout", "comm_device", "node_groups", "twin_group",
+           "run_async", "forget"]
 
 # Keyed by the group object itself (group_key), never by its ranks: a group
 # and its twin have the same ranks but must not share subgroups.

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from sparsecomm.collectives.dense import max_over_ranks, ring_allreduce_bytes
-from sparsecomm.collectives.groups import comm_device, env_local_world_size, node_groups, twin_group
+from sparsecomm.collectives.groups import comm_device, node_groups, twin_group
+from sparsecomm.collectives.launchers import env_local_world_size
 from sparsecomm.collectives.probe import LinkProbe, measure_link
 from sparsecomm.hooks.classifier import Decision, choose_method, host_layout, method_costs
 from sparsecomm.hooks.config import HookConfig
