@@ -273,7 +273,7 @@ void pooled_request(const int64_t* ids, const int64_t* bag_of, int64_t n, int64_
   int32_t* local = sc.local.data();  // index of each distinct id among its owner's
   // Owners of the ascending distinct ids. Under the range scheme an id's owner is its bucket's
   // (id / range_size): row_owner is called once per bucket met instead of once per id.
-  if (map.scheme == OwnerScheme::kRange) {
+  if (map.scheme == SPARSECOMM_SCHEME_RANGE) {
     int64_t bucket_end = -1, o = 0;
     for (int64_t g = 0; g < u; ++g) {
       const int64_t id = distinct[g];
