@@ -30,6 +30,9 @@ import numpy
 import torch
 from torch import Tensor
 
+from sparsecomm import ownership
+from sparsecomm.types import PartitionScheme
+
 __all__ = [
     "coalesce_rows",
     "partition_rows",
@@ -82,9 +85,6 @@ _BLOCKS_PER_SM = 32
 # partition_owners counts in shared memory (8 bytes a bin) up to this many
 # owners; beyond it, straight into global memory.
 _MAX_BLOCK_BINS = 4096
-
-_SCHEME_HASH = 0
-_SCHEME_RANGE = 1
 
 # ---- finding and loading the sources --------------------------------------------
 
@@ -335,7 +335,7 @@ def partition_rows(
         ids: ``(n,)`` int32 or int64 non-negative row ids.
         values: ``(n, d)`` rows that travel with the ids, or None.
         num_owners: Number of owners (ranks), >= 1.
-        scheme: 0 for hash, 1 for range.
+        scheme: The scheme's code (:func:`sparsecomm.ownership.scheme_code`).
         range_size: Ids per range (range scheme only), >= 1.
         stride: Consecutive buckets that map to one owner, >= 1.
 
@@ -348,14 +348,10 @@ def partition_rows(
     Raises:
         ValueError: An owner-map parameter is out of range.
     """
-    if scheme not in (_SCHEME_HASH, _SCHEME_RANGE):
-        raise ValueError(f"sparsecomm: scheme must be 0 (hash) or 1 (range), got {scheme}")
-    if not 1 <= num_owners <= 2**31 - 1:
+    ownership.OwnerMap(num_owners, scheme, range_size, stride).check()
+    if num_owners > 2**31 - 1:  # owners are written as int32
         raise ValueError(f"sparsecomm: num_owners must be in [1, 2**31), got {num_owners}")
-    if stride < 1:
-        raise ValueError(f"sparsecomm: stride must be >= 1, got {stride}")
-    if scheme == _SCHEME_RANGE and range_size < 1:
-        raise ValueError(f"sparsecomm: range_size must be >= 1, got {range_size}")
+    is_range = ownership.scheme_from_code(scheme) is PartitionScheme.RANGE
     n = ids.numel()
     counts = torch.zeros(num_owners, dtype=torch.int64, device=ids.device)
     if n == 0:
@@ -374,7 +370,7 @@ def partition_rows(
             _i32(scheme),
             _i64(num_owners),
             # Unused by the hash scheme; 1 keeps the argument meaningful.
-            _i64(range_size if scheme == _SCHEME_RANGE else 1),
+            _i64(range_size if is_range else 1),
             _i64(stride),
             _ptr(owners),
             _ptr(counts),

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from sparsecomm import _library
+from sparsecomm import _library, ownership
 
 __all__ = [
     "INDEX_DTYPES",
@@ -47,7 +47,6 @@ __all__ = [
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 VALUE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_SCHEMES = {"hash": 0, "range": 1}
 
 
 
@@ -191,21 +190,11 @@ def coalesce_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: Optional[in
     return out_ids, sums.view((out_ids.shape[0], *values.shape[1:]))
 
 
-def _owner_map(num_owners: int, scheme: str, num_rows: Optional[int], range_size: Optional[int], stride: int):
-    if not isinstance(num_owners, int) or num_owners < 1:
-        raise ValueError(f"num_owners must be a positive int, got {num_owners!r}")
-    if scheme not in _SCHEMES:
-        raise ValueError(f"scheme must be 'hash' or 'range', got {scheme!r}")
-    if not isinstance(stride, int) or stride < 1:
-        raise ValueError(f"stride must be a positive int, got {stride!r}")
-    if scheme == "range":
-        if range_size is None:
-            if num_rows is None:
-                raise ValueError("scheme='range' needs num_rows (or range_size)")
-            range_size = max(1, -(-int(num_rows) // num_owners))
-        if range_size < 1:
-            raise ValueError(f"range_size must be >= 1, got {range_size}")
-    return _SCHEMES[scheme], int(range_size or 1)
+def _owner_map(num_owners: int, scheme: str, num_rows: Optional[int], range_size: Optional[int],
+               stride: int) -> Tuple[int, int]:
+    """``(scheme code, range_size)`` of the owner map these arguments name (ValueError otherwise)."""
+    owners = ownership.OwnerMap.of(num_owners, scheme, num_rows, range_size, stride)
+    return owners.scheme, owners.range_size
 
 
 def partition_rows(ids: torch.Tensor, values: Optional[torch.Tensor], num_owners: int, scheme: str = "hash",
