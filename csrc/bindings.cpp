@@ -2,7 +2,7 @@
 //
 // Arguments are raw addresses (torch's data_ptr()) plus dtype codes: the module
 // never links libtorch, so it builds anywhere with a C++17 compiler. Buffers
-// are validated by sparsecomm/ops.py; ids are bounds-checked again here before
+// are validated by sparsecomm/ops; ids are bounds-checked again here before
 // any write. The GIL is released while kernels run so that communication
 // threads keep going.
 #include <pybind11/pybind11.h>

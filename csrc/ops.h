@@ -1,6 +1,6 @@
-// The four row kernels of the sparse path, on raw CPU buffers.
-// Python reaches them through bindings.cpp; sparsecomm/ops.py validates and
-// allocates, these functions re-check ids (bounds) and do the work.
+// The row kernels of the sparse path, on raw CPU buffers.
+// Python reaches them through bindings.cpp; sparsecomm/ops validates,
+// sparsecomm/_library allocates, these functions re-check ids (bounds) and do the work.
 #pragma once
 
 #include <cstddef>
