@@ -2,7 +2,7 @@
 //
 // Arguments are raw addresses (torch's data_ptr()) plus dtype codes: the module
 // never links libtorch, so it builds anywhere with a C++17 compiler. Buffers
-// are validated by sparsecomm/ops.py; ids are bounds-checked again here before
+// are validated by sparsecomm/ops; ids are bounds-checked again here before
 // any write. The GIL is released while kernels run so that communication
 // threads keep going.
 #include <pybind11/pybind11.h>
@@ -75,7 +75,7 @@ PYBIND11_MODULE(_C, m) {
            int64_t range_size, int64_t stride, uintptr_t counts, uintptr_t out_ids, uintptr_t out_values,
            int threads) {
           const ValueType vt = to_value_type(value_code);
-          const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
+          const OwnerMap map{scheme, num_owners, range_size, stride};
           if (plan.dense) throw std::invalid_argument("sparsecomm: coalesce_partition_apply needs a sorted plan");
           py::gil_scoped_release release;
           coalesce_partition_apply(plan.groups, ptr(values), vt, d, map, ptr<int64_t>(counts), ptr(out_ids),
@@ -135,7 +135,7 @@ PYBIND11_MODULE(_C, m) {
            int64_t num_owners, int64_t range_size, int64_t stride, uintptr_t counts, uintptr_t out_ids,
            uintptr_t out_values, uintptr_t perm, int threads) {
           const IndexType it = to_index_type(index_code);
-          const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
+          const OwnerMap map{scheme, num_owners, range_size, stride};
           py::gil_scoped_release release;
           partition_rows(ptr(ids), it, n, num_rows, ptr(values), row_bytes, map, ptr<int64_t>(counts), ptr(out_ids),
                          ptr(out_values), ptr<int64_t>(perm), threads);
@@ -147,7 +147,7 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("row_owner",
         [](int64_t id, int scheme, int64_t num_owners, int64_t range_size, int64_t stride) {
-          const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
+          const OwnerMap map{scheme, num_owners, range_size, stride};
           check_owner_map(map);
           if (id < 0) throw std::invalid_argument("sparsecomm: ids must be non-negative");
           return row_owner(id, map);
@@ -238,7 +238,7 @@ PYBIND11_MODULE(_C, m) {
         [](uintptr_t ids, uintptr_t bag_of, int64_t n, int64_t num_rows, int64_t num_bags, int scheme,
            int64_t num_owners, int64_t range_size, int64_t stride, uintptr_t unique_counts, uintptr_t order,
            uintptr_t occ_counts, uintptr_t positions, uintptr_t bag_counts, int threads) {
-          const OwnerMap map{static_cast<OwnerScheme>(scheme), num_owners, range_size, stride};
+          const OwnerMap map{scheme, num_owners, range_size, stride};
           auto lists = std::make_unique<PooledLists>();
           py::gil_scoped_release release;
           pooled_request(ptr<const int64_t>(ids), ptr<const int64_t>(bag_of), n, num_rows, num_bags, map,

@@ -144,15 +144,12 @@ template <> struct Elem<ValueType::kBFloat16> {
 constexpr size_t kHugePageOutputBytes = size_t{4} << 20;
 
 // A fresh output (torch.empty: freshly mmapped, no page behind it yet) costs a page fault per 4 KiB on its
-// first writes: 1M Zipf ids x 64 fp32 give a 35 MB output, ~8,600 faults; the slot-map coalesce into it
-// took 52 ms at 1 thread, 30-32 ms with the advice below (37-42 and 29-32 ms at 2 threads; min of 11 on a
-// shared machine). Transparent huge pages over the 2 MiB-aligned interior (honoured where THP is "always"
-// or "madvise") turn those faults into ~16 that map and zero 2 MiB each, and the sum's random writes stop
-// missing the TLB: a fresh output then costs about what a warm one does. (Touching every page from all
-// threads before the sum, with and without the advice, gained nothing measurable.) Results do not change;
-// a refused advice (THP "never", another OS) only leaves 4 KiB pages. The sharded tables' shards take the
-// same advice (sparsecomm._library.empty_rows): their rows are read and updated at random, and with 4 KiB pages
-// every row is a TLB miss (embedding_bag over 40,960 random rows of a 128 MB shard: 0.40 ms, 0.28 with it).
+// first writes: 1M Zipf ids x 64 fp32 give a 35 MB output, ~8,600 faults. Transparent huge pages over the
+// 2 MiB-aligned interior (honoured where THP is "always" or "madvise") turn those faults into ~16 that map
+// and zero 2 MiB each, and the sum's random writes stop missing the TLB: a fresh output then costs about
+// what a warm one does. Results do not change; a refused advice (THP "never", another OS) only leaves
+// 4 KiB pages. The sharded tables' shards take the same advice (sparsecomm._library.empty_rows): their
+// rows are read and updated at random, and with 4 KiB pages every row is a TLB miss.
 inline void advise_huge_pages(void* out, size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (bytes < kHugePageOutputBytes) return;

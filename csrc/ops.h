@@ -1,6 +1,6 @@
-// The four row kernels of the sparse path, on raw CPU buffers.
-// Python reaches them through bindings.cpp; sparsecomm/ops.py validates and
-// allocates, these functions re-check ids (bounds) and do the work.
+// The row kernels of the sparse path, on raw CPU buffers.
+// Python reaches them through bindings.cpp; sparsecomm/ops validates,
+// sparsecomm/_library allocates, these functions re-check ids (bounds) and do the work.
 #pragma once
 
 #include <cstddef>
@@ -8,24 +8,13 @@
 #include <vector>
 
 #include "common.h"
+#include "owner_map.h"
 #include "row_groups.h"
 
 namespace sparsecomm {
 
-enum class OwnerScheme : int { kHash = 0, kRange = 1 };
-
-// owner(id) = (bucket(id) / stride) % num_owners, bucket = splitmix64(id) or id / range_size.
-struct OwnerMap {
-  OwnerScheme scheme;
-  int64_t num_owners;
-  int64_t range_size;
-  int64_t stride;
-};
-
-// Throws std::invalid_argument (Python ValueError) for a scheme/owner count/size that would divide by zero.
+// Throws std::invalid_argument (Python ValueError) for a map owner_map_error refuses (owner_map.h).
 void check_owner_map(const OwnerMap& map);
-
-int64_t row_owner(int64_t id, const OwnerMap& map);
 
 // Ids over a narrow range, grouped without sorting: a dense map over [min, max] marks the ids present,
 // and its prefix sum gives each id its output slot (ids ascending). Coalesce then streams the values in

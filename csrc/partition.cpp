@@ -1,5 +1,7 @@
 // partition rows by owner: a stable counting sort of rows by owner rank.
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "counting_sort.h"
@@ -8,26 +10,7 @@
 namespace sparsecomm {
 
 void check_owner_map(const OwnerMap& map) {
-  if (map.scheme != OwnerScheme::kHash && map.scheme != OwnerScheme::kRange)
-    throw std::invalid_argument("sparsecomm: unknown partition scheme");
-  if (map.num_owners < 1) throw std::invalid_argument("sparsecomm: num_owners must be >= 1");
-  if (map.stride < 1) throw std::invalid_argument("sparsecomm: stride must be >= 1");
-  if (map.scheme == OwnerScheme::kRange && map.range_size < 1)
-    throw std::invalid_argument("sparsecomm: range_size must be >= 1");
-}
-
-int64_t row_owner(int64_t id, const OwnerMap& map) {
-  uint64_t bucket;
-  if (map.scheme == OwnerScheme::kHash) {
-    // splitmix64 finalizer: spreads consecutive and Zipf-hot ids evenly over owners.
-    uint64_t z = static_cast<uint64_t>(id) + 0x9E3779B97F4A7C15ULL;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    bucket = z ^ (z >> 31);
-  } else {
-    bucket = static_cast<uint64_t>(id) / static_cast<uint64_t>(map.range_size);
-  }
-  return static_cast<int64_t>((bucket / static_cast<uint64_t>(map.stride)) % static_cast<uint64_t>(map.num_owners));
+  if (const char* why = owner_map_error(map)) throw std::invalid_argument(std::string("sparsecomm: ") + why);
 }
 
 void partition_rows(const void* ids, IndexType it, int64_t n, int64_t num_rows, const void* values,

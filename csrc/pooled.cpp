@@ -1,8 +1,8 @@
 // Index kernels of owner pooling (a sharded bag lookup that sends each owner its distinct ids and partial
 // bags): group_by, bag_groups, unique_inverse and pooled_request. They replace per-owner torch.unique calls,
-// unique_consecutive, argsort and repeat_interleave (~6 ms a step for 40,960 ids) with one pass or two.
+// unique_consecutive, argsort and repeat_interleave with one pass or two.
 //
-// Outputs equal the torch reference exactly (ops.py documents it): a stable counting sort is argsort(stable)
+// Outputs equal the torch reference exactly (sparsecomm/ops documents it): a stable counting sort is argsort(stable)
 // by construction, and the distinct ids come out ascending with each id's index among them. Every input is
 // checked before anything is written, and no result depends on the thread count (scatters are stable
 // counting sorts over chunks in order; marks are idempotent ORs).
@@ -22,10 +22,8 @@ namespace {
 
 // Distinct ids by a bitmap over [min, max] when it has at most this many 64-bit words per id: marking, one
 // scan of the words and a popcount per id cost less than a radix sort's passes. Over 1M rows that is any
-// n >= ~4k (16k words); over 1e8 rows (1.6M words) the sort runs below ~400k ids. Measured here (1 thread,
-// uniform ids): 12k ids over 1e7 rows by the sort 0.32 ms (torch.unique 0.79); 40,960 over 4e7 by a
-// bitmap 11 ms (uncached, cache-missing) against 1.1 ms by the sort; 40,960 over 1e7, 3.8 words per id,
-// 0.9 ms by the bitmap, ~torch.unique's 1.1 ms: the bitmap's edge is the hot, clustered ids of a skewed draw.
+// n >= ~4k (16k words); over 1e8 rows (1.6M words) the sort runs below ~400k ids. A sparser bitmap misses
+// the cache on every word; the bitmap's edge is the hot, clustered ids of a skewed draw.
 constexpr int64_t kBitmapWordsPerId = 4;
 // Bitmaps (and their prefix counts) up to this many words stay allocated in the calling thread: fresh pages
 // cost a fault per 4 KiB, more than the scan itself.
@@ -37,7 +35,7 @@ struct BitmapScratch {
 };
 
 // Population counts: the portable x86-64 target has no popcnt instruction, and the library call GCC emits
-// instead made the bitmap's prefix and rank loops 2-6x slower. The loops are compiled twice, with and
+// instead makes the bitmap's prefix and rank loops several times slower. The loops are compiled twice, with and
 // without the instruction, and the CPU picks (every x86-64 CPU since 2008 has it).
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define SPARSECOMM_POPCNT_TARGET __attribute__((target("popcnt")))
@@ -273,7 +271,7 @@ void pooled_request(const int64_t* ids, const int64_t* bag_of, int64_t n, int64_
   int32_t* local = sc.local.data();  // index of each distinct id among its owner's
   // Owners of the ascending distinct ids. Under the range scheme an id's owner is its bucket's
   // (id / range_size): row_owner is called once per bucket met instead of once per id.
-  if (map.scheme == OwnerScheme::kRange) {
+  if (map.scheme == SPARSECOMM_SCHEME_RANGE) {
     int64_t bucket_end = -1, o = 0;
     for (int64_t g = 0; g < u; ++g) {
       const int64_t id = distinct[g];

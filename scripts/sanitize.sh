@@ -5,7 +5,8 @@
 # into build/asan (the editable install and its build directory are left
 # alone), lays out a package tree there that imports sparsecomm's Python files
 # from this checkout with the sanitized _C beside them, and runs the kernel
-# property tests (tests/test_ops.py), one multi-rank sharded test (3 gloo
+# property tests (tests/test_ops.py, tests/test_ops_pooled.py), the owner map's
+# tests (tests/test_ownership.py), one multi-rank sharded test (3 gloo
 # ranks) and the shared-memory all-to-all against gloo's against it. Any
 # sanitizer report fails the run: ASan and UBSan stop the process at the
 # first error, and the output is searched for reports too.
@@ -66,7 +67,7 @@ EOF
 # capture would swallow when the sanitizer ends the process mid-test.
 status=0
 "$PY" -m pytest -q -p no:cacheprovider --capture=sys --rootdir "$root" -c "$root/pyproject.toml" \
-  "$root/tests/test_ops.py" \
+  "$root/tests/test_ops.py" "$root/tests/test_ops_pooled.py" "$root/tests/test_ownership.py" \
   "$root/tests/test_sharded_peers.py::test_bad_counts_and_ids_from_one_peer_raise_on_every_rank" \
   "$root/tests/test_shm_alltoall.py::test_shared_memory_all_to_all_moves_the_bytes_gloo_moves" \
   "$root/tests/test_shm_alltoall.py::test_sizes_that_disagree_fail_the_call_on_every_rank" \

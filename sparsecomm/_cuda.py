@@ -1,6 +1,7 @@
 """CUDA implementations of the row kernels, compiled at run time through CuPy.
 
-The kernels live as CUDA C++ source in ``csrc/cuda/*.cu`` (installed into the
+The kernels live as CUDA C++ source in ``csrc/cuda/*.cu``, with the owner map
+they share with the C++ kernels in ``csrc/owner_map.h`` (both installed into the
 wheel as ``sparsecomm/cuda_src/``). On first use on a device, CuPy compiles a
 file with NVRTC (and caches the binary on disk), so the package itself builds
 without a CUDA toolkit. Every launch goes on torch's current stream, and every
@@ -29,12 +30,16 @@ import numpy
 import torch
 from torch import Tensor
 
+from sparsecomm import ownership
+from sparsecomm.types import PartitionScheme
+
 __all__ = [
     "coalesce_rows",
     "partition_rows",
     "gather_rows",
     "scatter_add_rows",
     "find_source_dir",
+    "include_dirs",
     "load_source",
     "KERNELS",
     "NVRTC_OPTIONS",
@@ -81,12 +86,29 @@ _BLOCKS_PER_SM = 32
 # owners; beyond it, straight into global memory.
 _MAX_BLOCK_BINS = 4096
 
-_SCHEME_HASH = 0
-_SCHEME_RANGE = 1
-
 # ---- finding and loading the sources --------------------------------------------
 
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+def _source_layouts() -> Tuple[Tuple[Path, Tuple[Path, ...]], ...]:
+    """Where the sources may be: (folder of the ``.cu`` files, folders their includes are looked up in)."""
+    package = Path(__file__).resolve().parent
+    installed = package / "cuda_src"  # the wheel copies csrc/owner_map.h in beside the .cu files
+    checkout = package.parent / "csrc"
+    return ((installed, (installed,)), (checkout / "cuda", (checkout / "cuda", checkout)))
+
+
+def _source_layout() -> Tuple[Path, Tuple[Path, ...]]:
+    layouts = _source_layouts()
+    for folder, includes in layouts:
+        if folder.is_dir() and any(folder.glob("*.cu")):
+            return folder, includes
+    searched = ", ".join(str(folder) for folder, _ in layouts)
+    raise FileNotFoundError(
+        f"sparsecomm: CUDA kernel sources not found (searched {searched}); "
+        "reinstall sparsecomm or run from a source checkout"
+    )
 
 
 def find_source_dir() -> Path:
@@ -102,16 +124,20 @@ def find_source_dir() -> Path:
     Raises:
         FileNotFoundError: Neither folder holds any ``.cu`` file.
     """
-    package = Path(__file__).resolve().parent
-    candidates = (package / "cuda_src", package.parent / "csrc" / "cuda")
-    for folder in candidates:
-        if folder.is_dir() and any(folder.glob("*.cu")):
-            return folder
-    searched = ", ".join(str(c) for c in candidates)
-    raise FileNotFoundError(
-        f"sparsecomm: CUDA kernel sources not found (searched {searched}); "
-        "reinstall sparsecomm or run from a source checkout"
-    )
+    return _source_layout()[0]
+
+
+def include_dirs() -> Tuple[Path, ...]:
+    """Return the folders a kernel source's ``#include "..."`` is looked up in, in order.
+
+    The source folder first; in a source checkout also ``csrc/``, which holds
+    ``owner_map.h``, the owner map the CUDA and the C++ kernels share (an
+    installed wheel has its copy beside the ``.cu`` files).
+
+    Raises:
+        FileNotFoundError: No folder holds the kernel sources.
+    """
+    return _source_layout()[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,21 +158,28 @@ def load_source(name: str) -> str:
     Raises:
         FileNotFoundError: The file, or a file it includes, does not exist.
     """
-    return _inline_includes(find_source_dir(), name, set())
+    return _inline_includes(include_dirs(), name, set())
 
 
-def _inline_includes(folder: Path, name: str, seen: set) -> str:
+def _find_include(folders: Tuple[Path, ...], name: str) -> Path:
+    for folder in folders:
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"sparsecomm: CUDA source {name!r} not found in {', '.join(map(str, folders))}")
+
+
+def _inline_includes(folders: Tuple[Path, ...], name: str, seen: set) -> str:
     if name in seen:  # include guards make a second copy empty anyway
         return ""
     seen.add(name)
-    lines = (folder / name).read_text(encoding="utf-8").splitlines()
+    lines = _find_include(folders, name).read_text(encoding="utf-8").splitlines()
     out = [f'#line 1 "{name}"']
     for lineno, line in enumerate(lines, start=1):
         match = _LOCAL_INCLUDE.match(line)
         if match is None:
             out.append(line)
             continue
-        out.append(_inline_includes(folder, match.group(1), seen))
+        out.append(_inline_includes(folders, match.group(1), seen))
         out.append(f'#line {lineno + 1} "{name}"')
     return "\n".join(out) + "\n"
 
@@ -296,13 +329,13 @@ def partition_rows(
 
     ``owner(id) = (bucket(id) // stride) % num_owners`` where ``bucket`` is
     splitmix64(id) for the hash scheme or ``id // range_size`` for the range
-    scheme, identical to the CPU kernel.
+    scheme: ``csrc/owner_map.h``, the map the CPU kernel evaluates too.
 
     Args:
         ids: ``(n,)`` int32 or int64 non-negative row ids.
         values: ``(n, d)`` rows that travel with the ids, or None.
         num_owners: Number of owners (ranks), >= 1.
-        scheme: 0 for hash, 1 for range.
+        scheme: The scheme's code (:func:`sparsecomm.ownership.scheme_code`).
         range_size: Ids per range (range scheme only), >= 1.
         stride: Consecutive buckets that map to one owner, >= 1.
 
@@ -315,14 +348,10 @@ def partition_rows(
     Raises:
         ValueError: An owner-map parameter is out of range.
     """
-    if scheme not in (_SCHEME_HASH, _SCHEME_RANGE):
-        raise ValueError(f"sparsecomm: scheme must be 0 (hash) or 1 (range), got {scheme}")
-    if not 1 <= num_owners <= 2**31 - 1:
+    ownership.OwnerMap(num_owners, scheme, range_size, stride).check()
+    if num_owners > 2**31 - 1:  # owners are written as int32
         raise ValueError(f"sparsecomm: num_owners must be in [1, 2**31), got {num_owners}")
-    if stride < 1:
-        raise ValueError(f"sparsecomm: stride must be >= 1, got {stride}")
-    if scheme == _SCHEME_RANGE and range_size < 1:
-        raise ValueError(f"sparsecomm: range_size must be >= 1, got {range_size}")
+    is_range = ownership.scheme_from_code(scheme) is PartitionScheme.RANGE
     n = ids.numel()
     counts = torch.zeros(num_owners, dtype=torch.int64, device=ids.device)
     if n == 0:
@@ -341,7 +370,7 @@ def partition_rows(
             _i32(scheme),
             _i64(num_owners),
             # Unused by the hash scheme; 1 keeps the argument meaningful.
-            _i64(range_size if scheme == _SCHEME_RANGE else 1),
+            _i64(range_size if is_range else 1),
             _i64(stride),
             _ptr(owners),
             _ptr(counts),

@@ -13,18 +13,22 @@ scheme's name into that code and back, validates it, and derives a range
 scheme's block size. Every rank runs the same arithmetic, so every rank agrees
 on every row's owner without talking.
 
+:class:`OwnerMap` is a whole map as the kernels take it (scheme code, owner
+count, range size, stride), built and validated here for :mod:`sparsecomm.ops`
+and :mod:`sparsecomm._cuda`.
+
 Adding a scheme: a member of :class:`~sparsecomm.types.PartitionScheme`, its
 code in ``_CODES`` here, and its owner function in ``csrc/owner_map.h``.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 from sparsecomm.types import PartitionScheme
 
 __all__ = ["PartitionScheme", "scheme_of", "scheme_code", "scheme_from_code", "range_size", "owner_range_size",
-           "describe_code"]
+           "describe_code", "OwnerMap"]
 
 # The code each scheme has in the kernels and on the wire (csrc/owner_map.h: SPARSECOMM_SCHEME_*).
 _CODES = {PartitionScheme.HASH: 0, PartitionScheme.RANGE: 1}
@@ -90,3 +94,59 @@ def owner_range_size(scheme: Union[str, PartitionScheme], num_owners: int, num_r
     if given < 1:
         raise ValueError(f"range_size must be >= 1, got {given}")
     return int(given)
+
+
+class OwnerMap(NamedTuple):
+    """An owner map as the kernels take it: ``owner(id) = (bucket(id) // stride) % num_owners``.
+
+    The fields are in the order of the kernels' arguments (``csrc/owner_map.h``'s
+    ``OwnerMap``), so ``op(..., *owner_map)`` passes them.
+
+    Attributes:
+        num_owners: owners (ranks), >= 1.
+        scheme: the scheme's code (:func:`scheme_code`).
+        range_size: rows per bucket under the range scheme, >= 1 (1 under the others, which ignore it).
+        stride: consecutive buckets that map to one owner, >= 1.
+    """
+
+    num_owners: int
+    scheme: int
+    range_size: int
+    stride: int
+
+    @classmethod
+    def of(cls, num_owners: int, scheme: Union[str, PartitionScheme], num_rows: Optional[int] = None,
+           range_size: Optional[int] = None, stride: int = 1) -> "OwnerMap":
+        """The map that :func:`sparsecomm.ops.partition_rows`' owner arguments name.
+
+        Args:
+            num_owners: a positive int.
+            scheme: a scheme's name.
+            num_rows: the table's rows ``V``: the range scheme's default ``range_size`` is ``ceil(V / N)``.
+            range_size: the range scheme's bucket size, overriding that default.
+            stride: a positive int.
+
+        Raises:
+            ValueError: naming the bad argument.
+        """
+        if not isinstance(num_owners, int) or num_owners < 1:
+            raise ValueError(f"num_owners must be a positive int, got {num_owners!r}")
+        code = scheme_code(scheme)
+        if not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"stride must be a positive int, got {stride!r}")
+        return cls(num_owners, code, owner_range_size(scheme, num_owners, num_rows, range_size), stride)
+
+    def check(self) -> "OwnerMap":
+        """Return this map if the kernels can evaluate it (``owner_map_error`` in ``csrc/owner_map.h``).
+
+        Raises:
+            ValueError: an unknown scheme code, or a size below 1 that the map would divide by.
+        """
+        scheme = scheme_from_code(self.scheme)
+        if self.num_owners < 1:
+            raise ValueError(f"num_owners must be >= 1, got {self.num_owners}")
+        if self.stride < 1:
+            raise ValueError(f"stride must be >= 1, got {self.stride}")
+        if scheme is PartitionScheme.RANGE and self.range_size < 1:
+            raise ValueError(f"range_size must be >= 1, got {self.range_size}")
+        return self

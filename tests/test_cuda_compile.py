@@ -1,16 +1,20 @@
 """Checks of the CUDA kernel sources and their loader that need no GPU.
 
 * every ``csrc/cuda/*.cu`` compiles with ``nvcc -ptx -arch=sm_90`` without a
-  warning, both as written and as the loader hands it to NVRTC (includes
-  inlined), and with NVRTC itself where CuPy can find it;
+  warning, both as written (with the C++ build's include path, for
+  ``csrc/owner_map.h``) and as the loader hands it to NVRTC (includes inlined,
+  nothing beside it), and with NVRTC itself where CuPy can find it;
+* ``csrc/owner_map.h``, the owner map the CPU and CUDA kernels share, compiles
+  as plain C++ and as CUDA, reaches NVRTC inlined (from a checkout and from a
+  wheel's layout), and is the only source that spells the map out;
 * the compiled PTX defines exactly the kernels ``sparsecomm._cuda.KERNELS``
   names, and every launch the loader makes passes as many arguments, of the
   same widths, as the kernel's PTX signature declares: the loader and the
   sources cannot drift apart unnoticed;
 * importing the loader does not import CuPy.
 
-``sparsecomm/_cuda.py`` is loaded from its file, not through the package, so
-these checks run even where the C++ extension is not built.
+``sparsecomm/_cuda.py`` is loaded from its file as a module of its own, so
+intercepting its launches here leaves the package's copy alone.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-CUDA_DIR = REPO / "csrc" / "cuda"
+CSRC = REPO / "csrc"
+CUDA_DIR = CSRC / "cuda"
+OWNER_MAP = CSRC / "owner_map.h"
 LOADER = REPO / "sparsecomm" / "_cuda.py"
 CU_FILES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 NVCC = shutil.which("nvcc")
@@ -45,6 +51,7 @@ cuda = _load_loader()
 
 
 def _nvcc_ptx(source: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``nvcc -ptx`` of ``source``; ``extra`` adds options (the C++ build's ``-I csrc`` for the sources as written)."""
     out = tmp_path / (source.stem + ".ptx")
     return subprocess.run(
         [NVCC, "-ptx", "-arch=sm_90", *extra, str(source), "-o", str(out)],
@@ -80,7 +87,7 @@ def ptx_signatures(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("ptx")
     signatures = {}
     for name in CU_FILES:
-        proc = _nvcc_ptx(CUDA_DIR / name, tmp)
+        proc = _nvcc_ptx(CUDA_DIR / name, tmp, f"-I{CSRC}")
         _assert_clean(proc)
         signatures[name] = _ptx_signatures((tmp / (Path(name).stem + ".ptx")).read_text())
     return signatures
@@ -97,7 +104,7 @@ def test_sources_exist():
 @needs_nvcc
 @pytest.mark.parametrize("name", CU_FILES)
 def test_nvcc_compiles_without_warnings(name, tmp_path):
-    _assert_clean(_nvcc_ptx(CUDA_DIR / name, tmp_path))
+    _assert_clean(_nvcc_ptx(CUDA_DIR / name, tmp_path, f"-I{CSRC}"))
 
 
 @needs_nvcc
@@ -130,6 +137,69 @@ def test_nvrtc_compiles_without_warnings(name):
     ptx = nvrtc.getPTX(program)
     ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
     assert set(re.findall(r"\.entry\s+(\w+)", ptx)) == set(cuda.KERNELS[name])
+
+
+# ---- the shared owner map ---------------------------------------------------------
+
+_OWNER_MAP_USE = """
+#include "owner_map.h"
+extern "C" __global__ void owner_of(const long long* ids, long long n, int scheme, long long num_owners,
+                                    long long range_size, long long stride, long long* out) {
+  const sparsecomm::OwnerMap map = {scheme, num_owners, range_size, stride};
+  for (long long i = 0; i < n; ++i) out[i] = sparsecomm::owner_map_error(map) ? -1 : sparsecomm::row_owner(ids[i], map);
+}
+"""
+
+
+def test_loader_inlines_the_shared_owner_map():
+    source = cuda.load_source("partition.cu")
+    assert '#line 1 "owner_map.h"' in source
+    header = OWNER_MAP.read_text()
+    assert header.strip().splitlines()[-1] in source, "the whole header, to its last line"
+    for line in ("#define SPARSECOMM_SCHEME_HASH 0", "#define SPARSECOMM_SCHEME_RANGE 1"):
+        assert line in header and line in source
+
+
+def test_a_wheel_layout_finds_the_owner_map_beside_the_sources(tmp_path):
+    # CMakeLists.txt installs csrc/cuda/* and csrc/owner_map.h into one folder, sparsecomm/cuda_src.
+    cmake = (REPO / "CMakeLists.txt").read_text()
+    assert re.search(r"install\(FILES csrc/owner_map\.h DESTINATION sparsecomm/cuda_src\)", cmake)
+    for path in [*CUDA_DIR.iterdir(), OWNER_MAP]:
+        shutil.copy(path, tmp_path / path.name)
+    assert cuda._inline_includes((tmp_path,), "partition.cu", set()) == cuda.load_source("partition.cu")
+    (tmp_path / "owner_map.h").unlink()
+    with pytest.raises(FileNotFoundError, match="owner_map.h"):
+        cuda._inline_includes((tmp_path,), "partition.cu", set())
+
+
+def test_owner_map_compiles_as_plain_cpp(tmp_path):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    proc = subprocess.run([cxx, "-std=c++17", "-Wall", "-Wextra", "-Werror", "-fsyntax-only", "-x", "c++",
+                           str(OWNER_MAP)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+@needs_nvcc
+def test_owner_map_compiles_as_cuda_with_and_without_nvrtc_inlining(tmp_path):
+    use = tmp_path / "owner_of.cu"
+    use.write_text(_OWNER_MAP_USE)
+    _assert_clean(_nvcc_ptx(use, tmp_path, f"-I{CSRC}"))
+    # As NVRTC would get it: the header inlined, no include path, no system headers.
+    inlined = tmp_path / "owner_of_inlined.cu"
+    inlined.write_text(_OWNER_MAP_USE.replace('#include "owner_map.h"', OWNER_MAP.read_text()))
+    _assert_clean(_nvcc_ptx(inlined, tmp_path, *cuda.NVRTC_OPTIONS))
+
+
+def test_only_the_owner_map_spells_out_the_owner_map():
+    # splitmix64's constants and a scheme compared with a bare number appear in owner_map.h alone.
+    sources = [p for p in CSRC.rglob("*") if p.suffix in (".h", ".cpp", ".cu", ".cuh") and p != OWNER_MAP]
+    assert sources
+    for path in sources:
+        text = path.read_text()
+        assert "9E3779B97F4A7C15" not in text.upper(), path
+        assert not re.search(r"scheme\s*[!=]=\s*\d", text), path
 
 
 # ---- loader and sources agree -------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparsecomm import _C, ops
+from sparsecomm import _C, ops, ownership
 from sparsecomm.synthetic import zipf_ids
 
 VALUE_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -70,7 +70,7 @@ def test_coalesce_matches_reference(inp):
 def test_partition_is_stable_grouping_by_owner(inp, num_owners, scheme, stride):
     ids, values, num_rows = inp
     part = ops.partition_rows(ids, values, num_owners, scheme, num_rows, stride=stride)
-    owners = torch.tensor([_C.row_owner(int(i), 0 if scheme == "hash" else 1, num_owners,
+    owners = torch.tensor([_C.row_owner(int(i), ownership.scheme_code(scheme), num_owners,
                                         -(-num_rows // num_owners), stride) for i in ids.tolist()],
                           dtype=torch.int64)
     # Independent reference: a stable sort by owner.

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparsecomm import _library, ops
+from sparsecomm import _library, ops, ownership
 from sparsecomm.synthetic import zipf_ids
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -225,7 +225,7 @@ def _check_pooled(ids, bag_of, owners, scheme, num_rows, range_size=None, stride
     want = ref_pooled_request(ids, bag_of, owners, scheme, num_rows, rs, num_bags, stride)
     assert isinstance(got, ops.PooledPlan)
     assert_same(got, want)
-    code = ops._SCHEMES[scheme]
+    code = ownership.scheme_code(scheme)
     assert_same(_library.pooled_request_torch(ids, bag_of, num_rows, owners, code, rs, stride, num_bags), want)
     # The invariants the caller relies on.
     assert torch.equal(got.unique[torch.repeat_interleave(torch.cumsum(got.unique_counts, 0) - got.unique_counts,

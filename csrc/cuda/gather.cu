@@ -20,7 +20,7 @@ __device__ __forceinline__ void gather_rows(const UnitT* __restrict__ table, ind
     const index_t i = t / row_units;
     const index_t u = t - i * row_units;
     const index_t row = static_cast<index_t>(ids[i]);
-    // ops.py validates ids; a bad one yields a zero row instead of a fault.
+    // sparsecomm/_library checks ids first; a bad one yields a zero row instead of a fault.
     if (row >= 0 && row < num_rows) {
       out[t] = table[row * row_units + u];
     } else {

@@ -22,7 +22,7 @@ __device__ __forceinline__ void scatter_add_rows(T* __restrict__ table, index_t 
     const index_t g = t / d;
     const index_t col = t - g * d;
     const index_t row = static_cast<index_t>(group_id[g]);
-    // ops.py validates ids; this only keeps a bad id from corrupting memory.
+    // sparsecomm/_library checks ids first; this only keeps a bad id from corrupting memory.
     if (row < 0 || row >= num_rows) continue;
     T* dst = table + row * d + col;
     *dst = Accum<T>::store(reduce_group_column<T>(values, order, seg_start, g, col, d, dst));

@@ -1,8 +1,9 @@
 """Which rank owns which row of a sharded table, and where the row sits on its owner.
 
 Owners come from :func:`sparsecomm.ops.row_owners` / ``partition_rows``, the
-same map the sparse allreduce path uses, so "hash" and "range" mean the same
-thing everywhere in sparsecomm. A row's *slot* is its index in its owner's
+same map the sparse allreduce path uses, and the range scheme's block size from
+:mod:`sparsecomm.ownership`, so "hash" and "range" mean the same thing
+everywhere in sparsecomm. A row's *slot* is its index in its owner's
 local shard:
 
 - ``range``: rank ``r`` owns ``[r * range_size, (r + 1) * range_size)`` and
@@ -13,7 +14,7 @@ local shard:
   * a bitmap of owned ids (``V / 8`` bytes) plus the number of owned ids
     before each 64-id word (``V / 16`` bytes): ``slot = before[id // 64] +
     popcount(word & bits below id)``; a few vectorized ops on data that fits
-    in cache (about 10x faster than a binary search), chosen while
+    in cache, cheaper than a binary search, chosen while
     ``3V / 16 <= 4V / N`` bytes, i.e. up to 21 ranks;
   * past that, the sorted list of owned ids (``V / N`` ids of 4 bytes, or 8
     past 2**31 rows) and ``slot = searchsorted(owned, id)``: memory stays ~V/N.
@@ -28,7 +29,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from sparsecomm import ops
+from sparsecomm import ops, ownership
 from sparsecomm.types import PartitionScheme
 
 __all__ = ["RowLayout"]
@@ -73,16 +74,15 @@ class RowLayout:
         self.num_embeddings = num_embeddings
         self.world_size = world_size
         self.rank = rank
-        self.scheme = PartitionScheme(scheme).value
-        # ops' default for the range scheme: ceil(V / N), at least 1.
-        self.range_size = max(1, -(-num_embeddings // world_size))
+        self.scheme = ownership.scheme_of(scheme).value
+        self.range_size = ownership.range_size(num_embeddings, world_size)
         self._owned: Optional[torch.Tensor] = None
         self._bits: Optional[torch.Tensor] = None
         self._before: Optional[torch.Tensor] = None
         self._start = 0
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.device = device
-        if self.scheme == "range":
+        if self.scheme == PartitionScheme.RANGE:
             self._start = min(num_embeddings, rank * self.range_size)
             self.num_local = min(num_embeddings, self._start + self.range_size) - self._start
         elif 3 * num_embeddings // 16 <= 4 * num_embeddings // world_size:
