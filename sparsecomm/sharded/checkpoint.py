@@ -36,7 +36,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from sparsecomm.collectives.sharded_exchange import agree, all_gather_objects, barrier, sharded_group, world
+from sparsecomm.collectives.sharded_exchange import sharded_group
+from sparsecomm.collectives.sharded_objects import agree, all_gather_objects, barrier, world
 from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded.embedding import sharded_modules
 from sparsecomm.sharded.lookup import flush

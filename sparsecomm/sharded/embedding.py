@@ -35,13 +35,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sparsecomm import ops
-from sparsecomm.collectives.sharded_exchange import (STATUS_BAD_INPUT, STATUS_ID_RANGE, STATUS_OK,
-                                                     allgather_table_rows, broadcast_int, sharded_group, world)
+from sparsecomm.collectives.sharded_exchange import allgather_table_rows, sharded_group
+from sparsecomm.collectives.sharded_objects import broadcast_int, world
+from sparsecomm.collectives.sharded_wire import InputStatus
 from sparsecomm.sharded import compiled
 from sparsecomm.sharded.hot import HotRowConfig, HotRows
 from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.sharded.lookup import Bags, Lookup, TableSet, pool_rows
-from sparsecomm.types import PartitionScheme, SparseSyncStats
+from sparsecomm.types import PartitionScheme, SparseSyncStats, WireStatus
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "Prefetched", "prefetch", "sharded_modules"]
 
@@ -180,27 +181,27 @@ class _ShardedTable(nn.Module):
 
     # ----------------------------------------------------------- the lookup
 
-    def _check_input(self, ids: Any) -> Tuple[torch.Tensor, Tuple[int, int, str]]:
+    def _check_input(self, ids: Any) -> Tuple[torch.Tensor, InputStatus]:
         # Never raises: a bad input must still reach the collective, which raises on every rank.
         name = type(self).__name__
         device = self.local_weight.device
         none = torch.empty(0, dtype=torch.int64, device=device)
         if not isinstance(ids, torch.Tensor):
-            return none, (STATUS_BAD_INPUT, 0, f"{name}: input must be a tensor, got {type(ids).__name__}")
+            return none, InputStatus(WireStatus.BAD_INPUT, 0, f"{name}: input must be a tensor, got {type(ids).__name__}")
         if ids.dtype not in (torch.int32, torch.int64):
-            return none, (STATUS_BAD_INPUT, 0, f"{name}: input must be int32 or int64, got {ids.dtype}")
+            return none, InputStatus(WireStatus.BAD_INPUT, 0, f"{name}: input must be int32 or int64, got {ids.dtype}")
         if ids.device != device:
-            return none, (STATUS_BAD_INPUT, 0, f"{name}: input is on {ids.device} but the table is on {device}")
+            return none, InputStatus(WireStatus.BAD_INPUT, 0, f"{name}: input is on {ids.device} but the table is on {device}")
         flat = ids.reshape(-1)
         if flat.numel():
             lo, hi = torch.aminmax(flat)
             lo, hi = int(lo), int(hi)
             if lo < 0 or hi >= self.num_embeddings:
                 bad = lo if lo < 0 else hi
-                return flat.new_empty(0, dtype=torch.int64), (
-                    STATUS_ID_RANGE, bad,
+                return flat.new_empty(0, dtype=torch.int64), InputStatus(
+                    WireStatus.ID_RANGE, bad,
                     f"{name}: input contains id {bad}, outside [0, {self.num_embeddings}); nothing was exchanged")
-        return flat.to(torch.int64), (STATUS_OK, 0, "")
+        return flat.to(torch.int64), InputStatus()
 
     def prefetch(self, *args: Any, **kwargs: Any) -> "Prefetched":
         """Start the id exchange of this table's next lookup now; returns the handle to call the table with.
@@ -544,11 +545,11 @@ class ShardedEmbeddingBag(_ShardedTable):
     def _lookup(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> Lookup:
         flat, status = self._check_input(input)
-        problem = self._check_bag_input(input, offsets, per_sample_weights) if status[0] == STATUS_OK else None
+        problem = self._check_bag_input(input, offsets, per_sample_weights) if status.ok else None
         if problem:
-            flat, status = flat.new_empty(0), (STATUS_BAD_INPUT, 0, f"{type(self).__name__}: {problem}")
+            flat, status = flat.new_empty(0), InputStatus(WireStatus.BAD_INPUT, 0, f"{type(self).__name__}: {problem}")
         shape = tuple(input.shape) if isinstance(input, torch.Tensor) else (0,)
-        if status[0] != STATUS_OK:
+        if not status.ok:
             bags = 0
         elif len(shape) == 2:
             bags = shape[0]
@@ -556,7 +557,7 @@ class ShardedEmbeddingBag(_ShardedTable):
             bags = offsets.numel() - int(self.include_last_offset)
 
         pooling = None
-        if status[0] == STATUS_OK and self.mode != "max" and \
+        if status.ok and self.mode != "max" and \
                 (per_sample_weights is None or not (torch.is_grad_enabled() and per_sample_weights.requires_grad)):
             pooling = Bags(bags, self.mode, self._bag_lengths(input, offsets, flat.numel()),
                            per_sample_weights.reshape(-1).detach() if per_sample_weights is not None else None)

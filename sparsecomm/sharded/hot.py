@@ -54,7 +54,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sparsecomm import ops
-from sparsecomm.collectives.sharded_exchange import all_gather_objects, allgather_table_rows
+from sparsecomm.collectives.sharded_exchange import allgather_table_rows
+from sparsecomm.collectives.sharded_objects import all_gather_objects
 from sparsecomm.collectives.sparse import sparse_allreduce_coalesced
 from sparsecomm.types import SparseSyncStats
 

@@ -39,9 +39,9 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
 from sparsecomm import ops
-from sparsecomm.collectives.sharded_exchange import (STATUS_OK, Carry, PooledRequest, Routes, TableRequest,
-                                                     exchange_rows, finish_request, pack_words, pull_rows,
-                                                     start_request, world)
+from sparsecomm.collectives.sharded_exchange import (Carry, PooledRequest, Routes, TableRequest, exchange_rows,
+                                                     finish_request, pull_rows, start_request, world)
+from sparsecomm.collectives.sharded_wire import InputStatus, encode_pooled
 from sparsecomm.sharded.hot import sync_hot_gradients
 from sparsecomm.types import SparseSyncStats
 
@@ -86,7 +86,7 @@ class Lookup:
     Attributes:
         table: the sharded table.
         ids: ``(n,)`` int64 ids (empty when ``status`` is not OK).
-        status: ``(code, detail, message)`` from the table's input check.
+        status: the table's verdict on the input (:class:`~sparsecomm.collectives.sharded_wire.InputStatus`).
         finish: ``finish(rows, inverse, pad) -> result``: ``rows`` are the
             unique rows of the table in this round, ``inverse`` each id's
             position among them, ``pad`` the padding row's position or None.
@@ -97,7 +97,7 @@ class Lookup:
 
     __slots__ = ("table", "ids", "status", "finish", "shape", "grad_enabled", "result", "bags")
 
-    def __init__(self, table, ids: torch.Tensor, status: Tuple[int, int, str],
+    def __init__(self, table, ids: torch.Tensor, status: InputStatus,
                  finish: Callable[[torch.Tensor, torch.Tensor, Optional[int]], torch.Tensor],
                  shape: Tuple[int, ...], bags: Optional[Bags] = None) -> None:
         self.table, self.ids, self.status, self.finish, self.shape = table, ids, status, finish, tuple(shape)
@@ -304,8 +304,8 @@ class TableSet:
         if self._prefetched is not None:  # prefetched but never used: end it (every rank does the same)
             self._finish(self._prefetched)
         self.push_deferred()  # a prefetched request starts in the background: it carries no gradient rows
-        bad = next((lk.status for lk in lookups if lk.status[0] != STATUS_OK), None)
-        state = {"lookups": list(lookups), "status": bad or (STATUS_OK, 0, "")}
+        bad = next((lk.status for lk in lookups if not lk.status.ok), None)
+        state = {"lookups": list(lookups), "status": bad or InputStatus()}
         self._request(state, async_op=True)
         self._prefetched = state
 
@@ -341,8 +341,8 @@ class TableSet:
                 self._finish(state)
                 state = None
         if state is None:
-            bad = next((lk.status for lk in lookups if lk.status[0] != STATUS_OK), None)
-            state = {"lookups": lookups, "status": bad or (STATUS_OK, 0, "")}
+            bad = next((lk.status for lk in lookups if not lk.status.ok), None)
+            state = {"lookups": lookups, "status": bad or InputStatus()}
         grad = any(lk.grad_enabled for lk in lookups)
         state["grad"] = grad
         with torch.set_grad_enabled(grad):
@@ -401,7 +401,7 @@ class TableSet:
         """Build the round's requests and start its id exchange (in the background with ``async_op``)."""
         lookups: List[Lookup] = state["lookups"]
         status = state["status"]
-        ok = status[0] == STATUS_OK
+        ok = status.ok
         of_table: List[List[Lookup]] = [[] for _ in self.tables]
         for lk in lookups:
             of_table[self._index[id(lk.table)]].append(lk)
@@ -458,8 +458,7 @@ class TableSet:
         if self._deferred is not None and not async_op:  # the last backward's gradient rows travel along
             state["deferred"], self._deferred = self._deferred, None
             carry = state["deferred"].carry()
-        state["pending"] = start_request(requests, status=status[0], detail=status[1], message=status[2],
-                                         round=self.rounds, group=self.group, stats=self.stats,
+        state["pending"] = start_request(requests, status, round=self.rounds, group=self.group, stats=self.stats,
                                          capacity=self.capacity, async_op=async_op, carry=carry)
 
     def _hot_due(self) -> List[Any]:
@@ -543,7 +542,7 @@ class TableSet:
         positions = torch.split(plan.positions, occ_counts)
         len_split = torch.split(plan.lengths, plan.bag_counts.tolist())
         w_split = torch.split(w, occ_counts) if w is not None else [None] * n
-        words = [pack_words(p, ln, *([x] if x is not None else [])) for p, ln, x in zip(positions, len_split, w_split)]
+        words = [encode_pooled(p, ln, x) for p, ln, x in zip(positions, len_split, w_split)]
         weight_bytes = t.local_weight.element_size() if w is not None else 0
         info.timed = t.owner_pooling == "auto"
         estimates = _pooled_estimates(t, counts, plan.occ_counts, plan.bag_counts, weight_bytes, me) \
