@@ -24,7 +24,7 @@ from sparsecomm.hooks import register
 from sparsecomm.planner import Plan, embedding_modules, plan as make_plan
 from sparsecomm.sharded.combined import ParallelOptimizer, build_optimizer, check_optimizer
 from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag
-from sparsecomm.sharded.lookup import group_tables
+from sparsecomm.sharded.model import group_tables
 
 __all__ = ["parallelize"]
 

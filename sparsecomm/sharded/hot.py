@@ -221,7 +221,7 @@ class HotRows:
                 candidates disagree or are malformed (a bug or a peer not
                 running the same code).
         """
-        opt = table._optimizer() if table._optimizer is not None else None
+        opt = table.optimizer
         state = opt.state.get(table.local_weight) if opt is not None else None
         names = tuple(opt.row_state_names) if state is not None else ()
         w = table.local_weight
