@@ -92,12 +92,12 @@ class PendingLookup(torch.Tensor):
     @staticmethod
     def __new__(cls, lookup: Lookup, dtype: torch.dtype, device: torch.device) -> "PendingLookup":
         t = torch.Tensor._make_wrapper_subclass(cls, lookup.shape, dtype=dtype, device=device)
-        t._lookup = lookup
+        t._sharded_lookup = lookup
         return t
 
     def resolve(self) -> torch.Tensor:
         """The real result (runs the round if it has not run)."""
-        lookup = self._lookup
+        lookup = self._sharded_lookup
         if lookup.result is None:
             lookup.table.table_set.flush()
         if lookup.result is None:
