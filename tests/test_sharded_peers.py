@@ -21,8 +21,8 @@ import torch
 
 import sparsecomm.sharded as sh
 from sparsecomm import ops
-from sparsecomm.collectives import groups, sharded_exchange
-from sparsecomm.collectives.sharded_exchange import FINGERPRINT_LEN
+from sparsecomm.collectives import groups, sharded_exchange, sharded_objects, sharded_request
+from sparsecomm.collectives.sharded_wire import FINGERPRINT_LEN
 from sparsecomm.sharded import checkpoint as ckpt
 
 from distributed import expect_value_error, run_cases, run_ranks
@@ -30,10 +30,11 @@ from distributed import expect_value_error, run_cases, run_ranks
 WORLD = 3
 BAD = 2            # the rank that corrupts what it sends
 V, D = 30, 4
-# Columns of a metadata row: status 0, detail 1, round 2, capacity 3, tables 4, width 5, looked-up flag 6,
-# owned rows 7, fingerprint 8..12, counts 13..15, path (1: pooled) 16, per-sample-weight bytes 17, pooled
-# occurrences 18..20 and bags 21..23 per owner, two byte estimates 24..25, then (once the table has a capacity)
-# the ids for the peer, followed by a pooled lookup's positions and bag lengths (int32 pairs in int64 words).
+# Columns of a metadata row (sparsecomm.collectives.sharded_wire): status 0, detail 1, round 2, capacity 3,
+# tables 4, width 5, looked-up flag 6, owned rows 7, fingerprint 8..12, counts 13..15, path (1: pooled) 16,
+# per-sample-weight bytes 17, pooled occurrences 18..20 and bags 21..23 per owner, two byte estimates 24..25, then
+# (once the table has a capacity) the ids for the peer, followed by a pooled lookup's positions and bag lengths
+# (int32 pairs in int64 words).
 META_STATUS, META_CAPACITY, META_NUM_LOCAL = 0, 3, 7
 META_COUNTS = 8 + FINGERPRINT_LEN
 META_PATH = META_COUNTS + WORLD
@@ -44,13 +45,13 @@ META_IDS = META_BAGS + WORLD + 2
 
 
 class Corrupt:
-    """Wrap ``sharded_exchange.all_to_all_rows`` in this process: call ``call`` gets ``edit(tensor, send_counts)``."""
+    """Wrap ``sharded_request.all_to_all_rows`` in this process: call ``call`` gets ``edit(tensor, send_counts)``."""
 
     def __init__(self, call: int, edit) -> None:
         self.call, self.edit, self.seen = call, edit, 0
 
     def __enter__(self):
-        self.real = sharded_exchange.all_to_all_rows
+        self.real = sharded_request.all_to_all_rows
 
         def wrapper(tensors, send_counts, recv_counts, *args, **kwargs):
             if self.seen == self.call:
@@ -58,11 +59,11 @@ class Corrupt:
             self.seen += 1
             return self.real(tensors, send_counts, recv_counts, *args, **kwargs)
 
-        sharded_exchange.all_to_all_rows = wrapper
+        sharded_request.all_to_all_rows = wrapper
         return self
 
     def __exit__(self, *exc):
-        sharded_exchange.all_to_all_rows = self.real
+        sharded_request.all_to_all_rows = self.real
 
 
 def set_column(col, value):
@@ -279,7 +280,7 @@ def case_checkpoint_checksums_split(rank, world, root):
                 b = f.read(1)
                 f.seek(-1, 1)
                 f.write(bytes([b[0] ^ 0xFF]))
-        sharded_exchange.barrier(fresh.emb._group)
+        sharded_objects.barrier(fresh.emb._group)
         expect_value_error(lambda: sh.load(directory, fresh, fresh_opt), "sha256")
     finally:
         ckpt._sha256 = real

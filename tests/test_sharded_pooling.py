@@ -309,7 +309,7 @@ def test_bytes_rule_pools_long_bags_and_not_single_ids(world):
 
 
 def test_auto_measures_both_paths_then_keeps_the_faster():
-    from sparsecomm.sharded.lookup import REMEASURE_ROUNDS, choose_pooling
+    from sparsecomm.sharded.pooling import REMEASURE_ROUNDS, choose_pooling
 
     assert choose_pooling("auto", [(0, 0), (0, 0)], 0) is None            # nothing measured: keep rows
     assert choose_pooling("auto", [(0, 700), (800, 900)], 1) is False     # a rank has not timed rows

@@ -6,11 +6,13 @@ lookups pull rows from their owners and backward pushes the gradients back
 """
 
 from sparsecomm.sharded.checkpoint import CheckpointError, export_full, load, save, verify
-from sparsecomm.sharded.embedding import Prefetched, ShardedEmbedding, ShardedEmbeddingBag, prefetch, sharded_modules
+from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag, prefetch
 from sparsecomm.sharded.hot import HotRowConfig
 from sparsecomm.sharded.layout import RowLayout
-from sparsecomm.sharded.lookup import TableSet, flush, group_tables
+from sparsecomm.sharded.lookup import TableSet
+from sparsecomm.sharded.model import flush, group_tables, sharded_modules
 from sparsecomm.sharded.optimizer import ShardedAdagrad, ShardedAdam, ShardedOptimizer, ShardedSGD
+from sparsecomm.sharded.pending import Prefetched
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "ShardedOptimizer", "ShardedSGD", "ShardedAdagrad",
            "ShardedAdam", "HotRowConfig", "RowLayout", "sharded_modules",

@@ -36,10 +36,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from sparsecomm.collectives.sharded_exchange import agree, all_gather_objects, barrier, sharded_group, world
+from sparsecomm.collectives.sharded_exchange import sharded_group
+from sparsecomm.collectives.sharded_objects import agree, all_gather_objects, barrier, world
 from sparsecomm.sharded.combined import ParallelOptimizer
-from sparsecomm.sharded.embedding import sharded_modules
-from sparsecomm.sharded.lookup import flush
+from sparsecomm.sharded.model import flush, sharded_modules
 from sparsecomm.sharded.optimizer import ShardedOptimizer
 
 __all__ = ["save", "load", "verify", "export_full", "CheckpointError"]
@@ -106,7 +106,7 @@ def _tables_and_group(model: nn.Module):
         group = sharded_group(getattr(model, "process_group", None))
         rank, world_size = world(group)
         return tables, group, rank, world_size
-    group = tables[0][1]._group
+    group = tables[0][1].group
     ws = {(t.layout.world_size, t.layout.rank) for _, t in tables}
     if len(ws) != 1:
         raise ValueError("all sharded tables of a checkpoint must live on the same process group")
@@ -445,7 +445,7 @@ def load(directory: str, model: nn.Module, optimizer: Any = None, strict: bool =
         opt_tables = _optimizer_tables(optimizer, tables)
         for name, t in tables:
             e = new[name]
-            t._drop_hot()  # its replicated rows and their optimizer state are stale now
+            t.drop_hot()  # its replicated rows and their optimizer state are stale now
             t.local_weight.copy_(e["weight"])
             if name in opt_tables:
                 state = optimizer.state[opt_tables[name]]

@@ -88,7 +88,7 @@ def _autograd(enabled: bool) -> Iterator[None]:
 def _shape(table: Any, ids: Tensor, offsets: Optional[Tensor]) -> Tuple[int, ...]:
     """The result's shape, as the eager lookup gives it (for the fake implementation)."""
     d = table.embedding_dim
-    if not table._kind:  # ShardedEmbedding
+    if not table.is_bag:  # ShardedEmbedding
         return tuple(ids.shape) + (d,)
     if ids.dim() == 2:
         return (ids.shape[0], d)
@@ -111,8 +111,8 @@ def sharded_lookup(anchor: Tensor, ids: Tensor, offsets: Optional[Tensor], per_s
         weights = None
         if per_sample_weights is not None:
             weights = per_sample_weights.detach().requires_grad_(weights_grad and grad)
-        args = (ids,) if not t._kind else (ids, offsets, weights)
-        result = t._set.run(t._lookup(*args))
+        args = (ids,) if not t.is_bag else (ids, offsets, weights)
+        result = t.table_set.run(t.lookup_plan(*args))
     key = next(_keys)
     token = torch.tensor([key], dtype=torch.int64)
     if grad and result.requires_grad:
@@ -180,7 +180,7 @@ def lookup(table: Any, ids: Tensor, offsets: Optional[Tensor] = None,
     """A sharded table's lookup through the operator (what its ``forward`` does under ``torch.compile``)."""
     grad = torch.is_grad_enabled() and table.local_weight.requires_grad
     weights_grad = bool(grad and per_sample_weights is not None and per_sample_weights.requires_grad)
-    anchor = table._anchor if grad else table._anchor.detach()
-    out, _ = torch.ops.sparsecomm.sharded_lookup(anchor, ids, offsets, per_sample_weights, table._key, grad,
+    anchor = table.compile_anchor if grad else table.compile_anchor.detach()
+    out, _ = torch.ops.sparsecomm.sharded_lookup(anchor, ids, offsets, per_sample_weights, table.table_id, grad,
                                                  weights_grad)
     return out

@@ -1,7 +1,9 @@
 """Row-sharded embedding tables: each rank stores the rows it owns, lookups pull rows from their owners.
 
 ``ShardedEmbedding`` / ``ShardedEmbeddingBag`` stand in for ``nn.Embedding`` /
-``nn.EmbeddingBag`` in a model whose other parameters stay under DDP.
+``nn.EmbeddingBag`` in a model whose other parameters stay under DDP; what
+they share (the shard, its state, its rounds) is
+:class:`sparsecomm.sharded.table.ShardedTable`.
 
 Forward (one lookup, all ranks together): the batch's unique ids are grouped
 by owner, sent to their owners (all-to-all), the owners gather the rows
@@ -14,362 +16,25 @@ travels the same routes back to the owners, which receive it as a sparse COO
 gradient of their local shard in ``local_weight.grad``, averaged over ranks
 like DDP averages dense gradients (``grad_reduction="mean"``). Nothing is
 updated until the owner-side optimizer's ``step()`` (``sparsecomm.sharded.optimizer``).
-
-Keeping the shard out of DDP: the shard is a plain tensor attribute
-(``local_weight``), not an ``nn.Parameter`` or buffer, so DDP never sees it
-(no allreduce, no broadcast, no shape check across ranks) and
-``model.parameters()`` (what the dense optimizer gets) does not include it.
-It still travels in ``model.state_dict()`` (``<name>.local_weight`` plus the
-ownership map in ``<name>._extra_state``) and through
-``sparsecomm.sharded.save/load``.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from sparsecomm import ops
-from sparsecomm.collectives.sharded_exchange import (STATUS_BAD_INPUT, STATUS_ID_RANGE, STATUS_OK,
-                                                     allgather_table_rows, broadcast_int, sharded_group, world)
 from sparsecomm.sharded import compiled
-from sparsecomm.sharded.hot import HotRowConfig, HotRows
-from sparsecomm.sharded.layout import RowLayout
-from sparsecomm.sharded.lookup import Bags, Lookup, TableSet, pool_rows
-from sparsecomm.types import PartitionScheme, SparseSyncStats
+from sparsecomm.sharded.bag_pooling import pool_rows
+from sparsecomm.sharded.inputs import bad_input, bag_lengths, check_bag_input
+from sparsecomm.sharded.pending import Bags, Lookup, Prefetched
+from sparsecomm.sharded.table import KIND_BAG, ShardedTable
 
-__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "Prefetched", "prefetch", "sharded_modules"]
-
-STATE_FORMAT = "sparsecomm.sharded.table/1"
-# Rows are initialized in fixed chunks, each from its own seeded generator, so
-# a row's initial value depends on (seed, id) only: the same table at any world size.
-_INIT_CHUNK = 1 << 16
-_KIND_EMBEDDING, _KIND_BAG = 0, 1
-# Tables are numbered in construction order; the number joins the lookup
-# fingerprint so that ranks calling different tables fail loudly.
-_table_ids = itertools.count()
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "prefetch"]
 
 
-class _ShardedTable(nn.Module):
-    """Shared machinery of the sharded embedding modules (see the module docstring)."""
-
-    _kind = _KIND_EMBEDDING
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
-                 scheme: str = "hash", group=None, grad_reduction: str = "mean", seed: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None, device=None, hot_rows: Optional[HotRowConfig] = None,
-                 _weight: Optional[torch.Tensor] = None, _freeze: bool = False) -> None:
-        super().__init__()
-        if not isinstance(num_embeddings, int) or num_embeddings < 1:
-            raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
-        if not isinstance(embedding_dim, int) or embedding_dim < 1:
-            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
-        if grad_reduction not in ("mean", "sum"):
-            raise ValueError(f"grad_reduction must be 'mean' (like DDP) or 'sum', got {grad_reduction!r}")
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}), "
-                                 f"got {padding_idx}")
-            padding_idx = padding_idx % num_embeddings
-        if hot_rows is not None and not isinstance(hot_rows, HotRowConfig):
-            raise TypeError(f"hot_rows must be a sparsecomm.sharded.HotRowConfig or None, got {type(hot_rows).__name__}")
-        dtype = dtype or torch.get_default_dtype()
-        if dtype not in ops.VALUE_DTYPES:
-            raise TypeError(f"dtype must be one of {ops.VALUE_DTYPES}, got {dtype}")
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.padding_idx = padding_idx
-        self.scheme = PartitionScheme(scheme).value
-        self.grad_reduction = grad_reduction
-        self.table_id = next(_table_ids)
-        # Collective on every rank: the dedicated group, then the shared seed.
-        self._group = sharded_group(group)
-        rank, size = world(group)
-        device = torch.device(device) if device is not None else torch.device("cpu")
-        self.layout = RowLayout(num_embeddings, size, rank, self.scheme, device)
-        self.stats = SparseSyncStats(world_size=size)
-        # Alone in an eager set until grouped (sparsecomm.sharded.lookup.group_tables).
-        self._set = TableSet([self], lazy=False, stats=self.stats)
-        if seed is None:
-            # Every rank draws (keeping their RNG streams in step); rank 0's draw wins.
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.seed = broadcast_int(seed, self._group)
-        self._optimizer: Optional[weakref.ref] = None
-        self.local_weight = ops.empty_rows((self.layout.num_local, embedding_dim), dtype, device)   # huge pages
-        # Replicated hot rows (sparsecomm.sharded.hot), or None.
-        self.hot: Optional[HotRows] = HotRows(hot_rows, embedding_dim, dtype, device) \
-            if hot_rows is not None and hot_rows.budget_bytes > 0 else None
-        if _weight is not None:
-            self.load_full_weight(_weight)
-        else:
-            self.reset_parameters()
-        self.local_weight.requires_grad_(not _freeze)
-        self.local_weight._sparsecomm_table = weakref.ref(self)
-        # Under torch.compile a lookup is one custom op (sparsecomm.sharded.compiled): the table's key names it,
-        # and this empty tensor, which requires grad, gives the op its place in autograd.
-        self._key = compiled.register(self)
-        self._anchor = torch.zeros(0, dtype=dtype, device=device, requires_grad=True)
-
-    # ------------------------------------------------------------- contents
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Draw every row from N(0, 1) as ``nn.Embedding`` does, the same values at any world size.
-
-        Row ``i`` depends only on ``seed`` and ``i`` (chunks of 65536 rows,
-        one seeded generator each). Under "range" a rank draws only its own
-        chunks; under "hash" it draws every chunk once and keeps its rows
-        (time ~V, memory one chunk). The padding row is zeroed.
-        """
-        self._drop_hot()
-        ids = self.layout.owned_ids().cpu()
-        bounds = torch.searchsorted(ids, torch.arange(0, self.num_embeddings + _INIT_CHUNK, _INIT_CHUNK)).tolist()
-        for chunk in range(len(bounds) - 1):
-            lo, hi = bounds[chunk], bounds[chunk + 1]
-            if lo == hi:
-                continue
-            first = chunk * _INIT_CHUNK
-            g = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + chunk) % 2**63)
-            rows = torch.randn(min(_INIT_CHUNK, self.num_embeddings - first), self.embedding_dim, generator=g)
-            self.local_weight[lo:hi] = rows[ids[lo:hi] - first].to(self.local_weight)
-        self._zero_padding_row()
-
-    def _zero_padding_row(self) -> None:
-        p = self.padding_idx
-        if p is not None:
-            pid = torch.tensor([p], device=self.layout.device)
-            if bool(self.layout.owns(pid)[0]):
-                self.local_weight[self.layout.slots(pid).to(self.local_weight.device)] = 0
-
-    @torch.no_grad()
-    def load_full_weight(self, weight: torch.Tensor) -> None:
-        """Take this rank's rows from a full ``(num_embeddings, embedding_dim)`` table (no communication).
-
-        Every rank passes the same table (e.g. ``torch.load(path, mmap=True)``
-        of an exported one: only the owned rows are read).
-
-        Raises:
-            ValueError: the table has the wrong shape.
-        """
-        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(f"expected a ({self.num_embeddings}, {self.embedding_dim}) table, "
-                             f"got {tuple(weight.shape)}")
-        self._drop_hot()
-        self.local_weight.copy_(weight[self.layout.owned_ids().to(weight.device)])
-
-    @torch.no_grad()
-    def full_weight(self) -> torch.Tensor:
-        """Gather the whole ``(num_embeddings, embedding_dim)`` table on every rank (collective).
-
-        For exporting to an unsharded model for inference; it takes ``V x d``
-        memory on every rank. Offline, ``sparsecomm.sharded.export_full``
-        builds the same table from a checkpoint directory without processes.
-        A gradient a ``defer=True`` optimizer left pending is applied first.
-        """
-        self._set.push_deferred()
-        ids, rows = allgather_table_rows(self.layout.owned_ids(), self.local_weight.detach(),
-                                         self.num_embeddings, self._group)
-        full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=rows.dtype, device=rows.device)
-        full[ids.to(rows.device)] = rows
-        return full
-
-    # ----------------------------------------------------------- the lookup
-
-    def _check_input(self, ids: Any) -> Tuple[torch.Tensor, Tuple[int, int, str]]:
-        # Never raises: a bad input must still reach the collective, which raises on every rank.
-        name = type(self).__name__
-        device = self.local_weight.device
-        none = torch.empty(0, dtype=torch.int64, device=device)
-        if not isinstance(ids, torch.Tensor):
-            return none, (STATUS_BAD_INPUT, 0, f"{name}: input must be a tensor, got {type(ids).__name__}")
-        if ids.dtype not in (torch.int32, torch.int64):
-            return none, (STATUS_BAD_INPUT, 0, f"{name}: input must be int32 or int64, got {ids.dtype}")
-        if ids.device != device:
-            return none, (STATUS_BAD_INPUT, 0, f"{name}: input is on {ids.device} but the table is on {device}")
-        flat = ids.reshape(-1)
-        if flat.numel():
-            lo, hi = torch.aminmax(flat)
-            lo, hi = int(lo), int(hi)
-            if lo < 0 or hi >= self.num_embeddings:
-                bad = lo if lo < 0 else hi
-                return flat.new_empty(0, dtype=torch.int64), (
-                    STATUS_ID_RANGE, bad,
-                    f"{name}: input contains id {bad}, outside [0, {self.num_embeddings}); nothing was exchanged")
-        return flat.to(torch.int64), (STATUS_OK, 0, "")
-
-    def prefetch(self, *args: Any, **kwargs: Any) -> "Prefetched":
-        """Start the id exchange of this table's next lookup now; returns the handle to call the table with.
-
-        ``table.prefetch(ids, ...)`` takes the arguments of ``forward``. The
-        ids travel to their owners in the background (the group's thread)
-        while this rank goes on, e.g. with backward and ``step()`` of the
-        current batch; ``table(handle)`` later finishes the lookup and pulls
-        the rows then, so they include every update made in between.
-        Collective, like a lookup: every rank prefetches the same tables in
-        the same order. For several tables grouped by ``group_tables`` (one
-        round), use :func:`prefetch` with all of the round's lookups.
-        """
-        return prefetch((self, args, kwargs))[0]
-
-    def _take(self, handle: "Prefetched") -> Lookup:
-        if handle.table is not self:
-            raise ValueError(f"{type(self).__name__}: this prefetch handle belongs to another table")
-        if handle.used:
-            raise ValueError(f"{type(self).__name__}: a prefetch handle can be looked up once")
-        handle.used = True
-        handle.lookup.grad_enabled = torch.is_grad_enabled()
-        return handle.lookup
-
-    def fingerprint(self) -> Tuple[int, int, int, int, int]:
-        """Ints every rank's lookup of this table must agree on: shape, construction order, kind, hot-set version."""
-        return (self.num_embeddings, self.embedding_dim, self.table_id, self._kind,
-                self.hot.version if self.hot is not None else 0)
-
-    def _drop_hot(self) -> None:
-        """Forget the replicated hot rows (their shard rows or optimizer state were replaced)."""
-        if self.hot is not None:
-            self.hot.drop()
-
-    def _padding_position(self, unique: torch.Tensor) -> Optional[int]:
-        """Position of the padding row among a round's sorted unique ids, or None."""
-        if self.padding_idx is None or unique.numel() == 0:
-            return None
-        pos = int(torch.searchsorted(unique, torch.tensor([self.padding_idx], device=unique.device)).item())
-        return pos if pos < unique.numel() and int(unique[pos]) == self.padding_idx else None
-
-    def _owner_gradient(self, slots: torch.Tensor, requested: torch.Tensor, rows: torch.Tensor,
-                        coalesced: bool = False) -> Optional[torch.Tensor]:
-        """The sparse gradient of ``local_weight`` from the gradient rows peers pushed for ``requested`` ids.
-
-        ``coalesced``: the slots are distinct and sorted. With a fused
-        optimizer attached, the gradient is applied here and now, and None is returned.
-        """
-        if self.padding_idx is not None:
-            # nn.Embedding's sparse gradient leaves the padding row out: it stays untouched by lazy optimizers too.
-            keep = requested != self.padding_idx
-            slots, rows = slots[keep], rows[keep]
-        if self.grad_reduction == "mean" and self.layout.world_size > 1:
-            rows = rows / self.layout.world_size
-        opt = self._optimizer() if self._optimizer is not None else None
-        if opt is not None and getattr(opt, "fused", False):
-            opt.apply_rows(self.local_weight, slots, rows, coalesced=coalesced)
-            return None
-        return torch.sparse_coo_tensor(slots.view(1, -1), rows, tuple(self.local_weight.shape),
-                                       check_invariants=False, is_coalesced=coalesced or None)
-
-    def _hot_gradient(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """The hot rows' gradient, summed over ranks: applied now (fused optimizer) or kept for ``step()``."""
-        opt = self._optimizer() if self._optimizer is not None else None
-        if opt is not None and getattr(opt, "fused", False):
-            opt.apply_hot(self, positions, rows)
-        else:
-            self.hot.add_gradient(positions, rows)
-
-    # ---------------------------------------------------------- bookkeeping
-
-    def _attach_optimizer(self, optimizer) -> None:
-        self._optimizer = weakref.ref(optimizer)
-
-    def optimizer_state(self) -> Dict[str, torch.Tensor]:
-        """The row-wise optimizer state of this shard (empty without an attached sharded optimizer)."""
-        opt = self._optimizer() if self._optimizer is not None else None
-        if opt is None:
-            return {}
-        state = opt.state.get(self.local_weight, {})
-        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
-
-    def memory_breakdown(self) -> Dict[str, int]:
-        """Bytes this rank holds for the table: ``weight``, ``ownership_map``, ``optimizer_state``,
-        ``hot_rows`` (the replica: rows, their optimizer state, index, the window's counts), ``grad``."""
-        w = self.local_weight
-        grad = 0
-        if w.grad is not None:
-            g = w.grad
-            grad = (g._values().numel() * g.element_size() + g._indices().numel() * 8) if g.is_sparse else \
-                g.numel() * g.element_size()
-        return {"weight": w.numel() * w.element_size(),
-                "ownership_map": self.layout.nbytes,
-                "optimizer_state": sum(t.numel() * t.element_size() for t in self.optimizer_state().values()),
-                "hot_rows": self.hot.nbytes() if self.hot is not None else 0,
-                "grad": grad}
-
-    def memory_bytes(self, include_grad: bool = False) -> int:
-        """Bytes of this rank's rows, ownership map and row-wise optimizer state (~V/N rows' worth).
-
-        Args:
-            include_grad: also count the pending sparse gradient (transient:
-                from backward until ``zero_grad``).
-        """
-        parts = self.memory_breakdown()
-        return sum(v for k, v in parts.items() if include_grad or k != "grad")
-
-    # ------------------------------------------------------------ state dict
-
-    def get_extra_state(self) -> Dict[str, Any]:
-        """The ownership map saved beside ``local_weight`` in ``state_dict()``."""
-        return {"format": STATE_FORMAT, "embedding_dim": self.embedding_dim,
-                "dtype": str(self.local_weight.dtype).replace("torch.", ""), **self.layout.describe(),
-                "ids": self.layout.owned_ids()}
-
-    def set_extra_state(self, state: Any) -> None:
-        problem = self._layout_problem(state)
-        if problem:
-            raise ValueError(problem)
-
-    def _layout_problem(self, state: Any) -> Optional[str]:
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            got = state.get("format") if isinstance(state, dict) else type(state).__name__
-            return f"{type(self).__name__}: not a sharded-table state (format {got!r})"
-        mine = self.get_extra_state()
-        for key in ("num_embeddings", "embedding_dim", "world_size", "rank", "scheme", "num_local"):
-            if state.get(key) != mine[key]:
-                return (f"{type(self).__name__}: the state holds rank {state.get('rank')} of "
-                        f"{state.get('world_size')} of a {state.get('num_embeddings')} x {state.get('embedding_dim')} "
-                        f"table sharded by {state.get('scheme')!r}, but this table is rank {self.layout.rank} of "
-                        f"{self.layout.world_size}, {self.num_embeddings} x {self.embedding_dim}, "
-                        f"{self.scheme!r} ({key} differs). To load shards written at another world size or "
-                        f"scheme, use sparsecomm.sharded.load(directory, model)")
-        return None
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "local_weight"] = self.local_weight if keep_vars else self.local_weight.detach()
-        destination[prefix + "_extra_state"] = self.get_extra_state()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        wkey, ekey = prefix + "local_weight", prefix + "_extra_state"
-        missing = [k for k in (wkey, ekey) if k not in state_dict]
-        missing_keys.extend(missing)
-        if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in (wkey, ekey)
-                                   and "." not in k[len(prefix):])
-        if missing:
-            return
-        problem = self._layout_problem(state_dict[ekey])
-        weight = state_dict[wkey]
-        if problem is None and tuple(weight.shape) != tuple(self.local_weight.shape):
-            problem = f"{wkey}: shape {tuple(weight.shape)} in the state, {tuple(self.local_weight.shape)} here"
-        if problem:
-            error_msgs.append(problem)
-            return
-        with torch.no_grad():
-            self._drop_hot()
-            self.local_weight.copy_(weight)
-
-    def extra_repr(self) -> str:
-        s = (f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme!r}, "
-             f"rank={self.layout.rank}/{self.layout.world_size}, local_rows={self.layout.num_local}")
-        if self.padding_idx is not None:
-            s += f", padding_idx={self.padding_idx}"
-        return s
-
-
-class ShardedEmbedding(_ShardedTable):
+class ShardedEmbedding(ShardedTable):
     """Row-sharded ``nn.Embedding``: each rank stores ~V/N rows; lookups fetch rows from their owners.
 
     Construct it on every rank (collective), like the model around it. Every
@@ -420,9 +85,9 @@ class ShardedEmbedding(_ShardedTable):
         """
         if torch.compiler.is_compiling():
             return compiled.lookup(self, input)
-        return self._set.submit(self._take(input) if isinstance(input, Prefetched) else self._lookup(input))
+        return self.table_set.submit(self._take(input) if isinstance(input, Prefetched) else self.lookup_plan(input))
 
-    def _lookup(self, input: torch.Tensor) -> Lookup:
+    def lookup_plan(self, input: torch.Tensor) -> Lookup:
         flat, status = self._check_input(input)
         shape = tuple(input.shape) if isinstance(input, torch.Tensor) else (0,)
 
@@ -442,7 +107,7 @@ class ShardedEmbedding(_ShardedTable):
                    **kwargs)
 
 
-class ShardedEmbeddingBag(_ShardedTable):
+class ShardedEmbeddingBag(ShardedTable):
     """Row-sharded ``nn.EmbeddingBag``: pooled lookups (``"sum"``, ``"mean"`` or ``"max"``) over sharded rows.
 
     Args:
@@ -470,7 +135,7 @@ class ShardedEmbeddingBag(_ShardedTable):
             (a table with a hot set takes the rows path).
     """
 
-    _kind = _KIND_BAG
+    _kind = KIND_BAG
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", *,
                  include_last_offset: bool = False, padding_idx: Optional[int] = None, owner_pooling: str = "auto",
@@ -484,49 +149,6 @@ class ShardedEmbeddingBag(_ShardedTable):
         self.include_last_offset = include_last_offset
         self.owner_pooling = owner_pooling
 
-    def _check_bag_input(self, input, offsets, per_sample_weights) -> Optional[str]:
-        # Everything F.embedding_bag would refuse after the exchange (on this
-        # rank only) is refused here, before it, through the status round.
-        if not isinstance(input, torch.Tensor):
-            return None  # reported by _check_input
-        device = self.local_weight.device
-        if input.dim() == 2:
-            if offsets is not None:
-                return "offsets must be None when input is 2-D (B, L)"
-        elif input.dim() == 1:
-            if offsets is None:
-                return "offsets are required when input is 1-D"
-            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or \
-                    offsets.dtype not in (torch.int32, torch.int64):
-                return "offsets must be a 1-D int32/int64 tensor"
-            if offsets.device != device:
-                return f"offsets are on {offsets.device} but the table is on {device}"
-            if self.include_last_offset and offsets.numel() == 0:
-                return "include_last_offset=True needs at least one offset"
-            if offsets.numel():
-                if int(offsets[0]) != 0:
-                    return f"offsets[0] must be 0, got {int(offsets[0])}"
-                if bool((offsets[1:] < offsets[:-1]).any()) or int(offsets[-1]) > input.numel():
-                    return f"offsets must be non-decreasing and at most len(input) = {input.numel()}"
-                if self.include_last_offset and int(offsets[-1]) != input.numel():
-                    # torch documents this as the input's length; its embedding_bag backward reads out of
-                    # bounds when ids follow the last offset (garbage gradients, or an IndexError when sparse).
-                    return (f"include_last_offset=True: the last offset must be len(input) = {input.numel()}, "
-                            f"got {int(offsets[-1])}")
-        else:
-            return f"input must be 1-D (with offsets) or 2-D (B, L), got shape {tuple(input.shape)}"
-        if per_sample_weights is not None:
-            if self.mode != "sum":
-                return f"per_sample_weights need mode='sum', not {self.mode!r}"
-            if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.shape != input.shape:
-                return "per_sample_weights must be a tensor of the input's shape"
-            if per_sample_weights.dtype != self.local_weight.dtype:
-                return (f"per_sample_weights must have the table's dtype {self.local_weight.dtype}, "
-                        f"got {per_sample_weights.dtype}")
-            if per_sample_weights.device != device:
-                return f"per_sample_weights are on {per_sample_weights.device} but the table is on {device}"
-        return None
-
     def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
                 per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Pool rows per bag, like ``nn.EmbeddingBag.forward``; returns ``(num_bags, d)``.
@@ -538,17 +160,19 @@ class ShardedEmbeddingBag(_ShardedTable):
         if torch.compiler.is_compiling():
             return compiled.lookup(self, input, offsets, per_sample_weights)
         if isinstance(input, Prefetched):
-            return self._set.submit(self._take(input))
-        return self._set.submit(self._lookup(input, offsets, per_sample_weights))
+            return self.table_set.submit(self._take(input))
+        return self.table_set.submit(self.lookup_plan(input, offsets, per_sample_weights))
 
-    def _lookup(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
-                per_sample_weights: Optional[torch.Tensor] = None) -> Lookup:
+    def lookup_plan(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                    per_sample_weights: Optional[torch.Tensor] = None) -> Lookup:
         flat, status = self._check_input(input)
-        problem = self._check_bag_input(input, offsets, per_sample_weights) if status[0] == STATUS_OK else None
+        problem = check_bag_input(input, offsets, per_sample_weights, mode=self.mode,
+                                  include_last_offset=self.include_last_offset,
+                                  weight=self.local_weight) if status.ok else None
         if problem:
-            flat, status = flat.new_empty(0), (STATUS_BAD_INPUT, 0, f"{type(self).__name__}: {problem}")
+            flat, status = flat.new_empty(0), bad_input(f"{type(self).__name__}: {problem}")
         shape = tuple(input.shape) if isinstance(input, torch.Tensor) else (0,)
-        if status[0] != STATUS_OK:
+        if not status.ok:
             bags = 0
         elif len(shape) == 2:
             bags = shape[0]
@@ -556,9 +180,10 @@ class ShardedEmbeddingBag(_ShardedTable):
             bags = offsets.numel() - int(self.include_last_offset)
 
         pooling = None
-        if status[0] == STATUS_OK and self.mode != "max" and \
+        if status.ok and self.mode != "max" and \
                 (per_sample_weights is None or not (torch.is_grad_enabled() and per_sample_weights.requires_grad)):
-            pooling = Bags(bags, self.mode, self._bag_lengths(input, offsets, flat.numel()),
+            pooling = Bags(bags, self.mode, bag_lengths(input, offsets, flat.numel(), self.include_last_offset,
+                                                     self.local_weight.device),
                            per_sample_weights.reshape(-1).detach() if per_sample_weights is not None else None)
 
         def finish(rows, inverse, pad):
@@ -570,27 +195,8 @@ class ShardedEmbeddingBag(_ShardedTable):
 
         return Lookup(self, flat, status, finish, (bags, self.embedding_dim), pooling)
 
-    def _bag_lengths(self, input: torch.Tensor, offsets: Optional[torch.Tensor], n: int) -> torch.Tensor:
-        """Ids per bag (the flat ids are the bags' ids one bag after the other)."""
-        device = self.local_weight.device
-        if input.dim() == 2:
-            return torch.full((input.shape[0],), input.shape[1], dtype=torch.int64, device=device)
-        offsets = offsets.to(torch.int64)
-        if self.include_last_offset:
-            return offsets[1:] - offsets[:-1]
-        return torch.diff(offsets, append=torch.tensor([n], dtype=torch.int64, device=device))
-
     def extra_repr(self) -> str:
         return super().extra_repr() + f", mode={self.mode!r}"
-
-
-class Prefetched:
-    """A lookup whose id exchange has started (:func:`prefetch`); call its table with it to finish the lookup."""
-
-    __slots__ = ("table", "lookup", "used")
-
-    def __init__(self, table: "_ShardedTable", lookup: Lookup) -> None:
-        self.table, self.lookup, self.used = table, lookup, False
 
 
 def prefetch(*calls: Tuple[Any, ...]) -> List[Prefetched]:
@@ -627,17 +233,11 @@ def prefetch(*calls: Tuple[Any, ...]) -> List[Prefetched]:
     handles = []
     for call in calls:
         table, args, kwargs = (tuple(call) + ({},))[:3]
-        if not isinstance(table, _ShardedTable):
+        if not isinstance(table, ShardedTable):
             raise TypeError(f"prefetch takes (sharded table, args[, kwargs]) calls, got {type(table).__name__}")
-        handles.append(Prefetched(table, table._lookup(*args, **kwargs)))
-    table_set = handles[0].table._set
-    if any(h.table._set is not table_set for h in handles):
+        handles.append(Prefetched(table, table.lookup_plan(*args, **kwargs)))
+    table_set = handles[0].table.table_set
+    if any(h.table.table_set is not table_set for h in handles):
         raise ValueError("prefetched lookups must share one round: tables of one group_tables set")
     table_set.prefetch([h.lookup for h in handles])
     return handles
-
-
-def sharded_modules(model: nn.Module) -> List[Tuple[str, _ShardedTable]]:
-    """``(name, table)`` for every sharded table in ``model`` (a DDP wrapper is looked through)."""
-    inner = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
-    return [(name, m) for name, m in inner.named_modules() if isinstance(m, _ShardedTable)]

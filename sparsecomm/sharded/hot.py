@@ -54,7 +54,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sparsecomm import ops
-from sparsecomm.collectives.sharded_exchange import all_gather_objects, allgather_table_rows
+from sparsecomm.collectives.sharded_exchange import allgather_table_rows
+from sparsecomm.collectives.sharded_objects import all_gather_objects
 from sparsecomm.collectives.sparse import sparse_allreduce_coalesced
 from sparsecomm.types import SparseSyncStats
 
@@ -62,6 +63,17 @@ __all__ = ["HotRowConfig", "HotRows", "sync_hot_gradients"]
 
 # Bytes a hot row costs beyond its values and optimizer state: its id and its slot on its owner.
 _INDEX_BYTES = 16
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """What each rank shares at a window's end to choose the next hot set (checked by ``_agreement_problem``)."""
+
+    k: int                  # hot rows the budget affords (the same on every rank)
+    version: int            # the rank's current hot set's version (the same on every rank)
+    pending: bool           # a hot-row gradient is held on this rank (the set must not change)
+    ids: torch.Tensor       # the rank's most-counted ids of the window (int64, distinct, at most k)
+    counts: torch.Tensor    # their counts
 
 
 @dataclass(frozen=True)
@@ -220,7 +232,7 @@ class HotRows:
                 candidates disagree or are malformed (a bug or a peer not
                 running the same code).
         """
-        opt = table._optimizer() if table._optimizer is not None else None
+        opt = table.optimizer
         state = opt.state.get(table.local_weight) if opt is not None else None
         names = tuple(opt.row_state_names) if state is not None else ()
         w = table.local_weight
@@ -228,17 +240,16 @@ class HotRows:
         per_row += sum(_width(state[n]) * state[n].element_size() for n in names)
         k = self.config.budget_bytes // per_row if state is not None else 0
         cand, counts = self._candidates(k, table.padding_idx)
-        mine = {"k": k, "version": self.version, "pending": self.pending, "ids": cand, "counts": counts}
-        everyone = all_gather_objects(mine, group)
+        everyone = all_gather_objects(_Candidates(k, self.version, self.pending, cand, counts), group)
         self._seen = []
         self.choices += 1
         problem = _agreement_problem(everyone, table.num_embeddings)
         if problem:
             raise ValueError(f"{type(table).__name__} hot rows: {problem}")
-        if any(e["pending"] for e in everyone):
+        if any(e.pending for e in everyone):
             return  # a gradient is held somewhere (until zero_grad): keep the set, choose at the next window's end
-        unique, total = _sum_counts(torch.cat([e["ids"].to(self.ids.device) for e in everyone]),
-                                    torch.cat([e["counts"].to(self.ids.device) for e in everyone]))
+        unique, total = _sum_counts(torch.cat([e.ids.to(self.ids.device) for e in everyone]),
+                                    torch.cat([e.counts.to(self.ids.device) for e in everyone]))
         order = torch.argsort(-total, stable=True)[:k]          # highest totals; ties: the smaller id
         order = order[total[order] >= self.config.min_count]
         new = torch.sort(unique[order]).values
@@ -300,22 +311,22 @@ def _width(rows: torch.Tensor) -> int:
     return math.prod(rows.shape[1:])
 
 
-def _agreement_problem(everyone: List[Dict[str, Any]], num_rows: int) -> Optional[str]:
+def _agreement_problem(everyone: List[Any], num_rows: int) -> Optional[str]:
     """What is wrong with the ranks' shared candidates, or None; every rank reaches the same verdict."""
     first = everyone[0]
     for r, e in enumerate(everyone):
-        if not isinstance(e, dict) or set(e) != {"k", "version", "pending", "ids", "counts"}:
+        if not isinstance(e, _Candidates):
             return f"rank {r} sent a malformed candidate list"
-        if e["k"] != first["k"]:
-            return (f"ranks budget different hot-row counts (rank 0: {first['k']}, rank {r}: {e['k']}): pass the "
+        if e.k != first.k:
+            return (f"ranks budget different hot-row counts (rank 0: {first.k}, rank {r}: {e.k}): pass the "
                     f"same HotRowConfig and optimizer on every rank")
-        if e["version"] != first["version"]:
-            return (f"ranks hold different hot sets (hot-row version {first['version']} on rank 0, {e['version']} "
+        if e.version != first.version:
+            return (f"ranks hold different hot sets (hot-row version {first.version} on rank 0, {e.version} "
                     f"on rank {r}): load states into the table on every rank")
-        ids, counts = e["ids"], e["counts"]
+        ids, counts = e.ids, e.counts
         if not (isinstance(ids, torch.Tensor) and isinstance(counts, torch.Tensor) and ids.dtype == torch.int64
                 and counts.dtype == torch.int64 and ids.dim() == 1 and ids.shape == counts.shape
-                and ids.numel() <= max(first["k"], 0)):
+                and ids.numel() <= max(first.k, 0)):
             return f"rank {r} sent a malformed candidate list"
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_rows or int(counts.min()) < 0
                             or ids.unique().numel() != ids.numel()):

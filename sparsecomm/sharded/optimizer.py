@@ -57,14 +57,15 @@ import torch
 import torch.nn as nn
 
 from sparsecomm import ops
-from sparsecomm.sharded.embedding import _ShardedTable, sharded_modules
+from sparsecomm.sharded.model import sharded_modules
+from sparsecomm.sharded.table import ShardedTable
 
 __all__ = ["ShardedOptimizer", "ShardedSGD", "ShardedAdagrad", "ShardedAdam"]
 
 ParamsT = Union[nn.Module, Iterable[Any]]
 
 
-def _table_of(t: Any) -> _ShardedTable:
+def _table_of(t: Any) -> ShardedTable:
     ref = getattr(t, "_sparsecomm_table", None)
     table = ref() if ref is not None else None
     if table is None:
@@ -78,7 +79,7 @@ def _weights(items: Any) -> List[torch.Tensor]:
         items = [items]
     out: List[torch.Tensor] = []
     for item in items:
-        if isinstance(item, _ShardedTable):
+        if isinstance(item, ShardedTable):
             out.append(item.local_weight)
         elif isinstance(item, nn.Module):
             found = sharded_modules(item)
@@ -125,7 +126,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.fused = bool(fused)
         self.defer = bool(defer)
         # Strong references: the tables live as long as their optimizer does.
-        self._tables: Dict[int, _ShardedTable] = {}
+        self._tables: Dict[int, ShardedTable] = {}
         if isinstance(params, nn.Module):
             params = [params]
         params = list(params)
@@ -144,7 +145,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # State is made up front: the memory report is right from the start and
             # a checkpoint taken before the first step still holds every moment.
             self.state[p] = self._init_state(p, self.param_groups[-1])
-            table._attach_optimizer(self)
+            table.attach_optimizer(self)
 
     def _init_state(self, p: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
         return {"step": 0}
@@ -171,7 +172,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._update(group, p, state, slots, rows)
 
     @torch.no_grad()
-    def apply_hot(self, table: _ShardedTable, positions: torch.Tensor, rows: torch.Tensor) -> None:
+    def apply_hot(self, table: ShardedTable, positions: torch.Tensor, rows: torch.Tensor) -> None:
         """Update ``table``'s replicated hot rows at ``positions`` (distinct, sorted) with the gradient ``rows``
         summed over ranks, then write them through to the owner's shard (``sparsecomm.sharded.hot``).
 
@@ -202,7 +203,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if table.hot is not None:
                 table.hot.clear_gradient()
 
-    def tables(self) -> List[_ShardedTable]:
+    def tables(self) -> List[ShardedTable]:
         """The sharded tables this optimizer updates, in param-group order."""
         return [self._tables[id(p)] for g in self.param_groups for p in g["params"]]
 
@@ -280,7 +281,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                      f"shape {None if t is None else tuple(t.shape)}, expected {tuple(want)}")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
         for p in params:
-            _table_of(p)._drop_hot()  # the replica's optimizer rows are stale now
+            _table_of(p).drop_hot()  # the replica's optimizer rows are stale now
 
 
 class ShardedSGD(ShardedOptimizer):

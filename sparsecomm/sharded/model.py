@@ -1,0 +1,72 @@
+"""A model's sharded tables together: find them, group them into shared rounds, settle their updates.
+
+Above the tables (:mod:`sparsecomm.sharded.embedding`) and their rounds
+(:mod:`sparsecomm.sharded.lookup`): :func:`group_tables` makes every sharded
+table of a model join one lazy :class:`~sparsecomm.sharded.lookup.TableSet`
+(one exchange per direction per step for all of them), and :func:`flush`
+runs every open round and pushes every pending deferred gradient.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from sparsecomm.sharded.lookup import TableSet
+from sparsecomm.sharded.pending import resolve
+from sparsecomm.sharded.table import ShardedTable
+
+__all__ = ["sharded_modules", "group_tables", "flush"]
+
+
+def sharded_modules(model: nn.Module) -> List[Tuple[str, ShardedTable]]:
+    """``(name, table)`` for every sharded table in ``model`` (a DDP wrapper is looked through)."""
+    inner = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+    return [(name, m) for name, m in inner.named_modules() if isinstance(m, ShardedTable)]
+
+
+def group_tables(model: nn.Module, tables: Optional[Sequence[ShardedTable]] = None) -> TableSet:
+    """Make the sharded tables of ``model`` share lookup rounds (lazy): one exchange per direction per step.
+
+    Every rank calls it, on the same model. A forward hook on ``model`` runs
+    any round still open when its forward returns, and gives the caller real
+    tensors in place of placeholders.
+
+    Args:
+        model: the module whose forward looks the tables up (not a DDP wrapper:
+            pass ``ddp.module``, or group before wrapping).
+        tables: the tables to group (default: every sharded table of ``model``).
+
+    Returns:
+        The :class:`~sparsecomm.sharded.lookup.TableSet` (``flush()`` runs an
+        open round by hand; ``stats`` counts the bytes of every round).
+    """
+    if tables is None:
+        tables = [t for _, t in sharded_modules(model)]
+    if not tables:
+        raise ValueError(f"{type(model).__name__} contains no sharded table to group")
+    table_set = TableSet(tables, lazy=True)
+    for t in tables:
+        t.table_set.settle()  # a lookup still pending in its old set runs there first, and its gradient is pushed
+        t.table_set = table_set
+
+    def finish_forward(module, args, output):
+        if torch.compiler.is_compiling():
+            return output  # compiled lookups run their rounds at once (sparsecomm.sharded.compiled)
+        table_set.flush()
+        return resolve(output)
+
+    table_set.hook = model.register_forward_hook(finish_forward)
+    return table_set
+
+
+def flush(model: nn.Module) -> None:
+    """Run every open round of ``model``'s sharded tables, and push any gradient a ``defer=True`` optimizer left
+    pending (collective): afterwards every shard and its optimizer state hold every update."""
+    done = set()
+    for _, t in sharded_modules(model):
+        if id(t.table_set) not in done:
+            done.add(id(t.table_set))
+            t.table_set.settle()

@@ -1,0 +1,385 @@
+"""The machinery shared by the sharded embedding modules: the shard, its contents, its state, its rounds.
+
+:class:`ShardedTable` is the base of ``ShardedEmbedding`` and
+``ShardedEmbeddingBag`` (:mod:`sparsecomm.sharded.embedding`). It stores the
+rows this rank owns (``local_weight``, in ``layout.owned_ids()`` order) and
+joins its lookups to a :class:`~sparsecomm.sharded.lookup.TableSet`, to
+which it offers the small public interface a round needs
+(:class:`~sparsecomm.sharded.protocol.LookupTable`: its group, optimizer,
+padding position, and where the owner's and the hot rows' gradients go).
+
+Keeping the shard out of DDP: the shard is a plain tensor attribute
+(``local_weight``), not an ``nn.Parameter`` or buffer, so DDP never sees it
+(no allreduce, no broadcast, no shape check across ranks) and
+``model.parameters()`` (what the dense optimizer gets) does not include it.
+It still travels in ``model.state_dict()`` (``<name>.local_weight`` plus the
+ownership map in ``<name>._extra_state``) and through
+``sparsecomm.sharded.save/load``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from sparsecomm import ops
+from sparsecomm.collectives.sharded_exchange import allgather_table_rows, sharded_group
+from sparsecomm.collectives.sharded_objects import broadcast_int, world
+from sparsecomm.collectives.sharded_wire import InputStatus
+from sparsecomm.sharded import compiled
+from sparsecomm.sharded.hot import HotRowConfig, HotRows
+from sparsecomm.sharded.inputs import check_ids
+from sparsecomm.sharded.layout import RowLayout
+from sparsecomm.sharded.lookup import TableSet
+from sparsecomm.sharded.pending import Lookup, Prefetched
+from sparsecomm.types import PartitionScheme, SparseSyncStats
+
+__all__ = ["ShardedTable", "STATE_FORMAT", "KIND_EMBEDDING", "KIND_BAG"]
+
+STATE_FORMAT = "sparsecomm.sharded.table/1"
+# Rows are initialized in fixed chunks, each from its own seeded generator, so
+# a row's initial value depends on (seed, id) only: the same table at any world size.
+_INIT_CHUNK = 1 << 16
+# The kind of table in its fingerprint (ranks looking up an embedding and a bag table in its place fail).
+KIND_EMBEDDING, KIND_BAG = 0, 1
+# Tables are numbered in construction order; the number joins the lookup
+# fingerprint so that ranks calling different tables fail loudly.
+_table_ids = itertools.count()
+
+
+class ShardedTable(nn.Module):
+    """Shared machinery of the sharded embedding modules (see the module docstring).
+
+    It implements :class:`~sparsecomm.sharded.protocol.LookupTable`, what a
+    lookup round uses of a table; the subclasses make the lookups
+    (:meth:`lookup_plan`) and their results.
+    """
+
+    _kind = KIND_EMBEDDING
+    # Who pools a bag lookup (ShardedEmbeddingBag sets it); a table without bags always takes rows.
+    owner_pooling = "never"
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
+                 scheme: str = "hash", group=None, grad_reduction: str = "mean", seed: Optional[int] = None,
+                 dtype: Optional[torch.dtype] = None, device=None, hot_rows: Optional[HotRowConfig] = None,
+                 _weight: Optional[torch.Tensor] = None, _freeze: bool = False) -> None:
+        super().__init__()
+        if not isinstance(num_embeddings, int) or num_embeddings < 1:
+            raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
+        if not isinstance(embedding_dim, int) or embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}")
+        if grad_reduction not in ("mean", "sum"):
+            raise ValueError(f"grad_reduction must be 'mean' (like DDP) or 'sum', got {grad_reduction!r}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}), "
+                                 f"got {padding_idx}")
+            padding_idx = padding_idx % num_embeddings
+        if hot_rows is not None and not isinstance(hot_rows, HotRowConfig):
+            raise TypeError(f"hot_rows must be a sparsecomm.sharded.HotRowConfig or None, got {type(hot_rows).__name__}")
+        dtype = dtype or torch.get_default_dtype()
+        if dtype not in ops.VALUE_DTYPES:
+            raise TypeError(f"dtype must be one of {ops.VALUE_DTYPES}, got {dtype}")
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.scheme = PartitionScheme(scheme).value
+        self.grad_reduction = grad_reduction
+        self.table_id = next(_table_ids)
+        # Collective on every rank: the dedicated group, then the shared seed.
+        self._group = sharded_group(group)
+        rank, size = world(group)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.layout = RowLayout(num_embeddings, size, rank, self.scheme, device)
+        self.stats = SparseSyncStats(world_size=size)
+        # Alone in an eager set until grouped (sparsecomm.sharded.model.group_tables).
+        self._set = TableSet([self], lazy=False, stats=self.stats)
+        if seed is None:
+            # Every rank draws (keeping their RNG streams in step); rank 0's draw wins.
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.seed = broadcast_int(seed, self._group)
+        self._optimizer: Optional[weakref.ref] = None
+        self.local_weight = ops.empty_rows((self.layout.num_local, embedding_dim), dtype, device)   # huge pages
+        # Replicated hot rows (sparsecomm.sharded.hot), or None.
+        self.hot: Optional[HotRows] = HotRows(hot_rows, embedding_dim, dtype, device) \
+            if hot_rows is not None and hot_rows.budget_bytes > 0 else None
+        if _weight is not None:
+            self.load_full_weight(_weight)
+        else:
+            self.reset_parameters()
+        self.local_weight.requires_grad_(not _freeze)
+        self.local_weight._sparsecomm_table = weakref.ref(self)
+        # Under torch.compile a lookup is one custom op (sparsecomm.sharded.compiled): the table's id names it,
+        # and this empty tensor, which requires grad, gives the op its place in autograd.
+        compiled.register(self)
+        self.compile_anchor = torch.zeros(0, dtype=dtype, device=device, requires_grad=True)
+
+    # ------------------------------------------------------------- contents
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Draw every row from N(0, 1) as ``nn.Embedding`` does, the same values at any world size.
+
+        Row ``i`` depends only on ``seed`` and ``i`` (chunks of 65536 rows,
+        one seeded generator each). Under "range" a rank draws only its own
+        chunks; under "hash" it draws every chunk once and keeps its rows
+        (time ~V, memory one chunk). The padding row is zeroed.
+        """
+        self.drop_hot()
+        ids = self.layout.owned_ids().cpu()
+        bounds = torch.searchsorted(ids, torch.arange(0, self.num_embeddings + _INIT_CHUNK, _INIT_CHUNK)).tolist()
+        for chunk in range(len(bounds) - 1):
+            lo, hi = bounds[chunk], bounds[chunk + 1]
+            if lo == hi:
+                continue
+            first = chunk * _INIT_CHUNK
+            g = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + chunk) % 2**63)
+            rows = torch.randn(min(_INIT_CHUNK, self.num_embeddings - first), self.embedding_dim, generator=g)
+            self.local_weight[lo:hi] = rows[ids[lo:hi] - first].to(self.local_weight)
+        self._zero_padding_row()
+
+    def _zero_padding_row(self) -> None:
+        p = self.padding_idx
+        if p is not None:
+            pid = torch.tensor([p], device=self.layout.device)
+            if bool(self.layout.owns(pid)[0]):
+                self.local_weight[self.layout.slots(pid).to(self.local_weight.device)] = 0
+
+    @torch.no_grad()
+    def load_full_weight(self, weight: torch.Tensor) -> None:
+        """Take this rank's rows from a full ``(num_embeddings, embedding_dim)`` table (no communication).
+
+        Every rank passes the same table (e.g. ``torch.load(path, mmap=True)``
+        of an exported one: only the owned rows are read).
+
+        Raises:
+            ValueError: the table has the wrong shape.
+        """
+        if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"expected a ({self.num_embeddings}, {self.embedding_dim}) table, "
+                             f"got {tuple(weight.shape)}")
+        self.drop_hot()
+        self.local_weight.copy_(weight[self.layout.owned_ids().to(weight.device)])
+
+    @torch.no_grad()
+    def full_weight(self) -> torch.Tensor:
+        """Gather the whole ``(num_embeddings, embedding_dim)`` table on every rank (collective).
+
+        For exporting to an unsharded model for inference; it takes ``V x d``
+        memory on every rank. Offline, ``sparsecomm.sharded.export_full``
+        builds the same table from a checkpoint directory without processes.
+        A gradient a ``defer=True`` optimizer left pending is applied first.
+        """
+        self.table_set.push_deferred()
+        ids, rows = allgather_table_rows(self.layout.owned_ids(), self.local_weight.detach(),
+                                         self.num_embeddings, self._group)
+        full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=rows.dtype, device=rows.device)
+        full[ids.to(rows.device)] = rows
+        return full
+
+    # ------------------------------------------------ what a lookup round uses
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The dedicated group the table exchanges over (None: a world of one)."""
+        return self._group
+
+    @property
+    def table_set(self) -> TableSet:
+        """The set whose rounds this table's lookups join (its own until ``group_tables``)."""
+        return self._set
+
+    @table_set.setter
+    def table_set(self, table_set: TableSet) -> None:
+        self._set = table_set
+
+    @property
+    def optimizer(self) -> Optional[Any]:
+        """The sharded optimizer updating this table (the last one attached), or None."""
+        return self._optimizer() if self._optimizer is not None else None
+
+    @property
+    def is_bag(self) -> bool:
+        """Whether the table pools its lookups (``ShardedEmbeddingBag``)."""
+        return self._kind == KIND_BAG
+
+    def lookup_plan(self, *args: Any, **kwargs: Any) -> Lookup:
+        """The :class:`~sparsecomm.sharded.pending.Lookup` that ``forward(*args, **kwargs)`` submits (checked input)."""
+        raise NotImplementedError
+
+    def _check_input(self, ids: Any) -> Tuple[torch.Tensor, InputStatus]:
+        return check_ids(ids, self.num_embeddings, self.local_weight.device, type(self).__name__)
+
+    def prefetch(self, *args: Any, **kwargs: Any) -> Prefetched:
+        """Start the id exchange of this table's next lookup now; returns the handle to call the table with.
+
+        ``table.prefetch(ids, ...)`` takes the arguments of ``forward``. The
+        ids travel to their owners in the background (the group's thread)
+        while this rank goes on, e.g. with backward and ``step()`` of the
+        current batch; ``table(handle)`` later finishes the lookup and pulls
+        the rows then, so they include every update made in between.
+        Collective, like a lookup: every rank prefetches the same tables in
+        the same order. For several tables grouped by ``group_tables`` (one
+        round), use ``sparsecomm.sharded.prefetch`` with all of the round's lookups.
+        """
+        handle = Prefetched(self, self.lookup_plan(*args, **kwargs))
+        self.table_set.prefetch([handle.lookup])
+        return handle
+
+    def _take(self, handle: Prefetched) -> Lookup:
+        if handle.table is not self:
+            raise ValueError(f"{type(self).__name__}: this prefetch handle belongs to another table")
+        if handle.used:
+            raise ValueError(f"{type(self).__name__}: a prefetch handle can be looked up once")
+        handle.used = True
+        handle.lookup.grad_enabled = torch.is_grad_enabled()
+        return handle.lookup
+
+    def fingerprint(self) -> Tuple[int, int, int, int, int]:
+        """Ints every rank's lookup of this table must agree on: shape, construction order, kind, hot-set version."""
+        return (self.num_embeddings, self.embedding_dim, self.table_id, self._kind,
+                self.hot.version if self.hot is not None else 0)
+
+    def padding_position(self, unique: torch.Tensor) -> Optional[int]:
+        """Position of the padding row among a round's sorted unique ids, or None."""
+        if self.padding_idx is None or unique.numel() == 0:
+            return None
+        pos = int(torch.searchsorted(unique, torch.tensor([self.padding_idx], device=unique.device)).item())
+        return pos if pos < unique.numel() and int(unique[pos]) == self.padding_idx else None
+
+    def owner_gradient(self, slots: torch.Tensor, requested: torch.Tensor, rows: torch.Tensor,
+                       coalesced: bool = False) -> Optional[torch.Tensor]:
+        """The sparse gradient of ``local_weight`` from the gradient rows peers pushed for ``requested`` ids.
+
+        ``coalesced``: the slots are distinct and sorted. With a fused
+        optimizer attached, the gradient is applied here and now, and None is returned.
+        """
+        if self.padding_idx is not None:
+            # nn.Embedding's sparse gradient leaves the padding row out: it stays untouched by lazy optimizers too.
+            keep = requested != self.padding_idx
+            slots, rows = slots[keep], rows[keep]
+        if self.grad_reduction == "mean" and self.layout.world_size > 1:
+            rows = rows / self.layout.world_size
+        opt = self.optimizer
+        if opt is not None and getattr(opt, "fused", False):
+            opt.apply_rows(self.local_weight, slots, rows, coalesced=coalesced)
+            return None
+        return torch.sparse_coo_tensor(slots.view(1, -1), rows, tuple(self.local_weight.shape),
+                                       check_invariants=False, is_coalesced=coalesced or None)
+
+    def hot_gradient(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """The hot rows' gradient, summed over ranks: applied now (fused optimizer) or kept for ``step()``."""
+        opt = self.optimizer
+        if opt is not None and getattr(opt, "fused", False):
+            opt.apply_hot(self, positions, rows)
+        else:
+            self.hot.add_gradient(positions, rows)
+
+    # ---------------------------------------------------------- bookkeeping
+
+    def drop_hot(self) -> None:
+        """Forget the replicated hot rows (their shard rows or optimizer state were replaced)."""
+        if self.hot is not None:
+            self.hot.drop()
+
+    def attach_optimizer(self, optimizer: Any) -> None:
+        """Make ``optimizer`` the one updating this table (held weakly: the optimizer holds the table)."""
+        self._optimizer = weakref.ref(optimizer)
+
+    def optimizer_state(self) -> Dict[str, torch.Tensor]:
+        """The row-wise optimizer state of this shard (empty without an attached sharded optimizer)."""
+        opt = self.optimizer
+        if opt is None:
+            return {}
+        state = opt.state.get(self.local_weight, {})
+        return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() >= 1}
+
+    def memory_breakdown(self) -> Dict[str, int]:
+        """Bytes this rank holds for the table: ``weight``, ``ownership_map``, ``optimizer_state``,
+        ``hot_rows`` (the replica: rows, their optimizer state, index, the window's counts), ``grad``."""
+        w = self.local_weight
+        grad = 0
+        if w.grad is not None:
+            g = w.grad
+            grad = (g._values().numel() * g.element_size() + g._indices().numel() * 8) if g.is_sparse else \
+                g.numel() * g.element_size()
+        return {"weight": w.numel() * w.element_size(),
+                "ownership_map": self.layout.nbytes,
+                "optimizer_state": sum(t.numel() * t.element_size() for t in self.optimizer_state().values()),
+                "hot_rows": self.hot.nbytes() if self.hot is not None else 0,
+                "grad": grad}
+
+    def memory_bytes(self, include_grad: bool = False) -> int:
+        """Bytes of this rank's rows, ownership map and row-wise optimizer state (~V/N rows' worth).
+
+        Args:
+            include_grad: also count the pending sparse gradient (transient:
+                from backward until ``zero_grad``).
+        """
+        parts = self.memory_breakdown()
+        return sum(v for k, v in parts.items() if include_grad or k != "grad")
+
+    # ------------------------------------------------------------ state dict
+
+    def get_extra_state(self) -> Dict[str, Any]:
+        """The ownership map saved beside ``local_weight`` in ``state_dict()``."""
+        return {"format": STATE_FORMAT, "embedding_dim": self.embedding_dim,
+                "dtype": str(self.local_weight.dtype).replace("torch.", ""), **self.layout.describe(),
+                "ids": self.layout.owned_ids()}
+
+    def set_extra_state(self, state: Any) -> None:
+        problem = self._layout_problem(state)
+        if problem:
+            raise ValueError(problem)
+
+    def _layout_problem(self, state: Any) -> Optional[str]:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            return f"{type(self).__name__}: not a sharded-table state (format {got!r})"
+        mine = self.get_extra_state()
+        for key in ("num_embeddings", "embedding_dim", "world_size", "rank", "scheme", "num_local"):
+            if state.get(key) != mine[key]:
+                return (f"{type(self).__name__}: the state holds rank {state.get('rank')} of "
+                        f"{state.get('world_size')} of a {state.get('num_embeddings')} x {state.get('embedding_dim')} "
+                        f"table sharded by {state.get('scheme')!r}, but this table is rank {self.layout.rank} of "
+                        f"{self.layout.world_size}, {self.num_embeddings} x {self.embedding_dim}, "
+                        f"{self.scheme!r} ({key} differs). To load shards written at another world size or "
+                        f"scheme, use sparsecomm.sharded.load(directory, model)")
+        return None
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "local_weight"] = self.local_weight if keep_vars else self.local_weight.detach()
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        wkey, ekey = prefix + "local_weight", prefix + "_extra_state"
+        missing = [k for k in (wkey, ekey) if k not in state_dict]
+        missing_keys.extend(missing)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in (wkey, ekey)
+                                   and "." not in k[len(prefix):])
+        if missing:
+            return
+        problem = self._layout_problem(state_dict[ekey])
+        weight = state_dict[wkey]
+        if problem is None and tuple(weight.shape) != tuple(self.local_weight.shape):
+            problem = f"{wkey}: shape {tuple(weight.shape)} in the state, {tuple(self.local_weight.shape)} here"
+        if problem:
+            error_msgs.append(problem)
+            return
+        with torch.no_grad():
+            self.drop_hot()
+            self.local_weight.copy_(weight)
+
+    def extra_repr(self) -> str:
+        s = (f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme!r}, "
+             f"rank={self.layout.rank}/{self.layout.world_size}, local_rows={self.layout.num_local}")
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        return s
