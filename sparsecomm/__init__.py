@@ -15,8 +15,8 @@ from sparsecomm.parallel import parallelize
 from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded import ShardedAdagrad, ShardedAdam, ShardedEmbedding, ShardedEmbeddingBag, ShardedSGD
 from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod, Topology
+from sparsecomm.version import __version__
 
-__version__ = "0.1.0"
 __all__ = [
     "ops", "init_distributed", "shutdown", "topology",
     "sparse_allreduce", "sparse_allreduce_coalesced", "last_stats", "SparseSyncStats", "SyncMethod", "PartitionScheme", "Topology",

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm.collectives.dense import broadcast_
-from sparsecomm.collectives.sharded_objects import all_gather_objects, world
+from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.hooks import register
 from sparsecomm.planner import Plan, embedding_modules, plan as make_plan
 from sparsecomm.sharded.combined import ParallelOptimizer, build_optimizer, check_optimizer

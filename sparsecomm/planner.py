@@ -45,7 +45,7 @@ import torch.nn as nn
 
 from sparsecomm import cost_model
 from sparsecomm.collectives.probe import measure_latency_bytes
-from sparsecomm.collectives.sharded_exchange import all_gather_objects, world
+from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.collectives.transport import wire_index_dtype
 from sparsecomm.ownership import scheme_of
 

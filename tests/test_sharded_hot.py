@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import sparsecomm.sharded as sh
-from sparsecomm.collectives.sharded_objects import all_gather_objects
+from sparsecomm.collectives.objects import all_gather_objects
 from sparsecomm.synthetic import zipf_ids
 
 from distributed import expect_value_error, run_cases, run_ranks

@@ -21,7 +21,7 @@ import torch
 
 import sparsecomm.sharded as sh
 from sparsecomm import ops
-from sparsecomm.collectives import groups, sharded_exchange, sharded_objects, sharded_request
+from sparsecomm.collectives import groups, sharded_exchange, objects, sharded_request
 from sparsecomm.collectives.sharded_wire import FINGERPRINT_LEN
 from sparsecomm.sharded import checkpoint as ckpt
 
@@ -280,7 +280,7 @@ def case_checkpoint_checksums_split(rank, world, root):
                 b = f.read(1)
                 f.seek(-1, 1)
                 f.write(bytes([b[0] ^ 0xFF]))
-        sharded_objects.barrier(fresh.emb._group)
+        objects.barrier(fresh.emb._group)
         expect_value_error(lambda: sh.load(directory, fresh, fresh_opt), "sha256")
     finally:
         ckpt._sha256 = real

@@ -66,7 +66,7 @@ def _check_bags(bag_of: Tensor, num_bags: int) -> None:
 def pooled_request_torch(ids: Tensor, bag_of: Tensor, num_rows: int, num_owners: int, scheme: int,
                          range_size: int, stride: int, num_bags: int
                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The torch ops of ``TableSet._pooled_request`` (sparsecomm/sharded/lookup.py) that pooled_request replaces."""
+    """The torch ops of ``requester.pooled_request`` (sparsecomm/sharded/requester.py) that pooled_request replaces."""
     check_cuda_ids(ids, num_rows)
     _check_bags(bag_of, num_bags)
     n = num_owners

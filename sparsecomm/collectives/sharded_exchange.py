@@ -49,16 +49,14 @@ import torch.distributed as dist
 
 from sparsecomm.collectives.exchange import allgather_rows, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device, twin_group
-from sparsecomm.collectives.sharded_objects import agree, all_gather_objects, barrier, broadcast_int, world
+from sparsecomm.collectives.objects import world
 from sparsecomm.collectives.sharded_request import (Carry, PendingRequest, PooledRequest, Routes, TableRequest,
                                                     exchange_blocks, finish_request, request_rows, start_request)
 from sparsecomm.types import SparseSyncStats
 
 __all__ = [
     "TableRequest", "PooledRequest", "Routes", "Carry", "PendingRequest", "request_rows", "start_request",
-    "finish_request", "world", "sharded_group", "pull_rows", "exchange_rows", "allgather_table_rows",
-    # From sharded_objects, for the planner until it imports them from there.
-    "all_gather_objects", "barrier", "agree", "broadcast_int",
+    "finish_request", "sharded_group", "pull_rows", "exchange_rows", "allgather_table_rows",
 ]
 
 

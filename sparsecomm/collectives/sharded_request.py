@@ -21,7 +21,7 @@ import torch.distributed as dist
 from sparsecomm.collectives.exchange import (all_to_all, all_to_all_rows, count_bytes, exchange_direct,
                                             wire_index_dtype, wire_row_bytes)
 from sparsecomm.collectives.groups import comm_device
-from sparsecomm.collectives.sharded_objects import world
+from sparsecomm.collectives.objects import world
 from sparsecomm.collectives.sharded_wire import (META_HEAD, Announced, InputStatus, MetaHeader, PooledPart, TableMeta,
                                                  check_widths, decode_headers, decode_pooled, decode_tables,
                                                  encode_message, encode_row, ids_problem, padded_words,

@@ -37,7 +37,8 @@ import torch
 import torch.nn as nn
 
 from sparsecomm.collectives.sharded_exchange import sharded_group
-from sparsecomm.collectives.sharded_objects import agree, all_gather_objects, barrier, world
+from sparsecomm.version import __version__
+from sparsecomm.collectives.objects import agree, all_gather_objects, barrier, world
 from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded.model import flush, sharded_modules
 from sparsecomm.sharded.optimizer import ShardedOptimizer
@@ -215,7 +216,6 @@ def save(directory: str, model: nn.Module, optimizer: Any = None, extra: Any = N
         files[DENSE] = _atomic_write(os.path.join(directory, DENSE), lambda f: torch.save(dense, f))
 
     gathered = all_gather_objects((files, summary), group)
-    from sparsecomm import __version__  # the package's top; imported here, not at load time (layering)
 
     manifest = {
         "format": FORMAT, "world_size": world_size, "created_unix": time.time(),

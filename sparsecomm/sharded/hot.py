@@ -55,7 +55,7 @@ import torch
 
 from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import allgather_table_rows
-from sparsecomm.collectives.sharded_objects import all_gather_objects
+from sparsecomm.collectives.objects import all_gather_objects
 from sparsecomm.collectives.sparse import sparse_allreduce_coalesced
 from sparsecomm.types import SparseSyncStats
 

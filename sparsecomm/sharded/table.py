@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import allgather_table_rows, sharded_group
-from sparsecomm.collectives.sharded_objects import broadcast_int, world
+from sparsecomm.collectives.objects import broadcast_int, world
 from sparsecomm.collectives.sharded_wire import InputStatus
 from sparsecomm.sharded import compiled
 from sparsecomm.sharded.hot import HotRowConfig, HotRows

@@ -1,8 +1,9 @@
 """Small object collectives that every rank of a group calls together: rank and size, gather, agree, barrier.
 
-The sharded tables use them for what is not a row exchange: checkpoint
-verdicts (:func:`agree`), the shared seed (:func:`broadcast_int`), the
-planner's per-rank numbers (:func:`all_gather_objects`). A ``group`` of None
+The sharded tables, the planner and ``parallelize`` use them for what is not
+a row exchange: checkpoint verdicts (:func:`agree`), the shared seed
+(:func:`broadcast_int`), the planner's per-rank numbers
+(:func:`all_gather_objects`). A ``group`` of None
 means "no peers": each helper then answers for this process alone.
 """
 
