@@ -8,14 +8,30 @@ step by step, on the same batches (noise hits all alike):
 
 - ``ddp``: plain DDP, ``sparse=True`` tables (gloo's sparse allreduce);
 - ``register``: the same under ``sparsecomm.register`` (the hook);
-- ``parallelize``: ``sparsecomm.parallelize`` with the automatic plan from a
-  sample batch (large tables sharded with owner-side optimizers when that
-  is predicted faster, the rest replicated under the hook);
+- ``parallelize``: ``sparsecomm.parallelize(model, Optimizer, lr=...)`` as a
+  user calls it, no plan given (it plans from the model alone);
+- ``parallelize_plan``: ``parallelize`` with the plan made from a sample batch
+  (``sparsecomm.plan(model, batch)``: large tables sharded with owner-side
+  optimizers when that is predicted faster, the rest replicated under the hook);
 - ``sharded``: ``parallelize`` with every table of 4 MiB or more sharded
   (``plan.override``), whatever the plan predicts;
 - ``floor``: one process on the per-rank batch, no communication at all.
-  ``floor_sharded`` estimates the floor of a sharded plan: the floor's step
-  minus (N-1)/N of its optimizer time (the owners' share of the update).
+  For a method with sharded tables, the floor's step minus (N-1)/N of its
+  optimizer time (the owners' share of the update).
+
+Two floors stand beside the times: ``floor_ms`` (compute, above) and
+``link_floor_ms``: compute plus the bytes the method must move per step and
+direction at the link rate (emulated hosts only, ``--hosts``; ``MB_moved``
+those bytes, per rank): the dense part's ring all-reduce, 2 (N-1)/N of its
+bytes; per replicated table, plain DDP's gloo all-gather of every rank's
+rows with int64 ids, (N-1) k (d b + 8), or for the library the cheapest of
+its sync paths' busiest-link bytes (``collectives.methods``); per sharded
+table the pull and the gradient push, (N-1)/N 2 k r plus the ids. k is a
+rank's distinct ids of a table in a batch, U their union over ranks.
+
+Across hosts (``--hosts H --rate R``, as root): H network namespaces on this
+machine, each host's link capped both ways at R with tbf, ``--ranks-per-host``
+ranks per host, gloo between hosts (``sparsecomm.bench.launch``).
 
 Every method uses the same optimizer rule (``--optimizers``: SGD, Adagrad
 element-wise, or Adam = lazy Adam on tables + Adam on the MLP). Before any
@@ -27,6 +43,7 @@ CPU planner refuses row-wise sharding (see the ``sharded`` benchmark for a
 hand-built plan of one table); it is listed as skipped.
 
     python -m sparsecomm.bench e2e --nproc 2,4 --optimizers sgd,adagrad
+    python -m sparsecomm.bench e2e --hosts 2,4 --rate 1gbit,10gbit --optimizers sgd,adagrad,adam
 """
 
 from __future__ import annotations
@@ -44,11 +61,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm.bench.harness import Row, progress
-from sparsecomm.bench.launch import add_launch_args, run_distributed
+from sparsecomm.bench.launch import add_launch_args, emulated_link, run_distributed
+from sparsecomm.bench.netns import parse_rate
+from sparsecomm.collectives import methods as sync_methods
+from sparsecomm.collectives.methods import Workload
+from sparsecomm.collectives.transport import wire_index_dtype
+from sparsecomm.cost_model import sharded_floor_bytes
 from sparsecomm.sharded.combined import build_optimizer
 from sparsecomm.synthetic import zipf_ids
 
-METHODS = ("ddp", "register", "parallelize", "sharded")
+METHODS = ("ddp", "register", "parallelize", "parallelize_plan", "sharded")
 PHASES = ("forward", "backward", "optimizer", "step")
 # Adagrad starts its accumulators at 0.1 (as DLRM setups do): a first step of lr * g / |g| would make the
 # float64 check meaningless for gradients near zero, where float32 and float64 disagree on the sign.
@@ -56,8 +78,8 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.05)),
               "adagrad": (torch.optim.Adagrad, dict(lr=0.05, initial_accumulator_value=0.1)),
               "adam": (torch.optim.Adam, dict(lr=0.01))}
 DENSE_FEATURES = 16
-COMPACT_COLS = ("world", "optimizer", "method", "step_ms", "samples_per_s", "vs_ddp", "MB_per_rank", "floor_ms",
-                "#wrong")
+COMPACT_COLS = ("world", "hosts", "rate", "optimizer", "method", "step_ms", "vs_ddp", "MB_per_rank", "floor_ms",
+                "link_floor_ms", "#wrong")
 LEGEND = {
     "step_ms": "median ms per training step of the slowest rank (forward + backward + optimizer)",
     "samples_per_s": "global batch (all ranks) / step_ms",
@@ -65,6 +87,9 @@ LEGEND = {
     "MB_per_rank": "tables + dense parameters + optimizer state this rank holds",
     "floor_ms": "one process on the per-rank batch without communication (rows with sharded tables: minus the "
                 "owners' (N-1)/N share of the optimizer)",
+    "link_floor_ms": "floor_ms + the bytes this method must move per step and direction at the emulated link rate",
+    "hosts": "emulated hosts x ranks per host (blank: one host)",
+    "rate": "each emulated host link's cap, both ways",
     "#wrong": "tensors off a float64 single-process step on the whole batch (non-zero exits 3)",
 }
 
@@ -124,7 +149,6 @@ def full_weights(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Dict[str, Any]:
     rank, n = dist.get_rank(), dist.get_world_size()
-    cls, kw = OPTIMIZERS[optimizer]
     torch.manual_seed(0)
     base = DLRM(rows, a.dim)
     # The float64 reference: one process, one step on every rank's batch together.
@@ -139,26 +163,11 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
     del ref, ref_opt
 
     runs: Dict[str, Dict[str, Any]] = {}
-    plan_text = ""
+    plans: Dict[str, str] = {}
     for method in METHODS + ("floor",):
-        model = copy.deepcopy(base)
-        if method in ("ddp", "register"):
-            model = DDP(model)
-            if method == "register":
-                sparsecomm.register(model)
-            opt = reference_optimizer(model.module, optimizer)
-        elif method in ("parallelize", "sharded"):
-            plan = sparsecomm.plan(model, make_batch(a, rows, 0, rank), optimizer=cls)
-            if method == "parallelize":
-                plan_text = str(plan)
-            else:
-                for name, t in plan.tables.items():
-                    if t.memory_replicated >= 4 << 20:
-                        plan.override(name, "shard")
-            model, opt = sparsecomm.parallelize(model, cls, plan=plan, **kw)
-        else:
-            opt = reference_optimizer(model, optimizer)
-        runs[method] = dict(model=model, opt=opt, times={p: [] for p in PHASES})
+        model, opt, plans[method] = _build(method, copy.deepcopy(base), a, rows, optimizer)
+        runs[method] = dict(model=model, opt=opt, times={p: [] for p in PHASES},
+                            bytes=_bytes_moved(method, model, batches, rows, a))
     del base
 
     wrong: Dict[str, int] = {}
@@ -185,7 +194,56 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
             progress(f"e2e: world {n} {optimizer}: checked ({wrong}), timing {a.steps} steps")
     return dict(medians={m: {p: statistics.median(v) for p, v in r["times"].items()} for m, r in runs.items()},
                 memory={m: memory_bytes(r["model"], r["opt"]) for m, r in runs.items()}, wrong=wrong,
-                plan=plan_text)
+                plan=plans["parallelize"], plans=plans, bytes={m: r["bytes"] for m, r in runs.items()},
+                sharded={m: bool(sparsecomm.sharded.sharded_modules(getattr(r["model"], "module", r["model"])))
+                         for m, r in runs.items()})
+
+
+def _build(method: str, model: nn.Module, a: argparse.Namespace, rows: Sequence[int], optimizer: str):
+    """One method's model and optimizer (and its plan, printed), from a copy of the same initial weights."""
+    cls, kw = OPTIMIZERS[optimizer]
+    if method in ("ddp", "register"):
+        model = DDP(model)
+        if method == "register":
+            sparsecomm.register(model)
+        return model, reference_optimizer(model.module, optimizer), ""
+    if method == "parallelize":  # as a user calls it: no plan, no sample batch
+        model, opt = sparsecomm.parallelize(model, cls, **kw)
+        return model, opt, str(getattr(getattr(model, "module", model), "sparsecomm_plan", ""))
+    if method in ("parallelize_plan", "sharded"):
+        plan = sparsecomm.plan(model, make_batch(a, rows, 0, dist.get_rank()), optimizer=cls)
+        if method == "sharded":
+            for name, t in plan.tables.items():
+                if t.memory_replicated >= 4 << 20:
+                    plan.override(name, "shard")
+        model, opt = sparsecomm.parallelize(model, cls, plan=plan, **kw)
+        return model, opt, str(plan)
+    return model, reference_optimizer(model, optimizer), ""
+
+
+def _bytes_moved(method: str, model: nn.Module, batches: Sequence[Dict[str, Any]], rows: Sequence[int],
+                 a: argparse.Namespace) -> float:
+    """Bytes per rank and direction this method must move in one step (module docstring), from the first batch."""
+    n = len(batches)
+    if method == "floor" or n == 1:
+        return 0.0
+    inner = getattr(model, "module", model)
+    dense = sum(p.numel() * p.element_size() for name, p in inner.named_parameters() if not name.startswith("tables"))
+    total = 2 * (n - 1) / n * dense
+    sharded = {name for name, _ in sparsecomm.sharded.sharded_modules(inner)}
+    for i, v in enumerate(rows):
+        ids = [torch.unique(b["ids"][i]) for b in batches]
+        k, union = sum(x.numel() for x in ids) / n, torch.unique(torch.cat(ids)).numel()
+        row, idb = a.dim * 4, torch.empty(0, dtype=wire_index_dtype(v)).element_size()
+        if f"tables.{i}" in sharded:
+            total += sharded_floor_bytes(n, k, row) + (n - 1) / n * k * idb
+        elif method == "ddp":
+            total += (n - 1) * k * (row + 8)
+        else:
+            w = Workload(n, v, a.dim, 4, idb, k, union)
+            total += min(p.link_bytes(w) for p in sync_methods.PATHS if not p.hierarchical and p.backend in
+                         (None, "gloo"))
+    return total
 
 
 def body(a: argparse.Namespace) -> List[Row]:
@@ -203,18 +261,22 @@ def body(a: argparse.Namespace) -> List[Row]:
         med = {m: {p: max(e["medians"][m][p] for e in everyone) for p in PHASES} for m in METHODS + ("floor",)}
         floor = med["floor"]["step"]
         floor_sharded = floor - (n - 1) / n * med["floor"]["optimizer"]
+        link = emulated_link()
+        where = {"hosts": f"{link[0]}x{link[1]}" if link else "", "rate": link[2] if link else ""}
         for m in METHODS:
             step = med[m]["step"]
+            compute = floor_sharded if mine["sharded"][m] else floor
+            moved = max(e["bytes"][m] for e in everyone)
             out.append(Row({
-                "world": n, "optimizer": optimizer, "method": m, "step_ms": 1e3 * step,
+                "world": n, **where, "optimizer": optimizer, "method": m, "step_ms": 1e3 * step,
                 "samples_per_s": a.batch * n / step, "vs_ddp": med["ddp"]["step"] / step,
                 "MB_per_rank": max(e["memory"][m] for e in everyone) / 2**20,
-                "floor_ms": 1e3 * (floor_sharded if m == "sharded" or (m == "parallelize" and "shard (" in
-                                                                       mine["plan"]) else floor),
+                "floor_ms": 1e3 * compute, "MB_moved": moved / 1e6,
+                "link_floor_ms": 1e3 * (compute + moved / (parse_rate(link[2]) / 8)) if link else "",
                 "forward_ms": 1e3 * med[m]["forward"], "backward_ms": 1e3 * med[m]["backward"],
                 "optimizer_ms": 1e3 * med[m]["optimizer"],
                 "#wrong": max(e["wrong"][m] for e in everyone)}))
-        out.append(Row({"world": n, "optimizer": optimizer, "method": "torchrec_dmp",
+        out.append(Row({"world": n, **where, "optimizer": optimizer, "method": "torchrec_dmp",
                         "skipped": "not a contender here yet (its CPU planner refuses row-wise sharding)"}))
         progress(f"e2e: world {n} {optimizer} done")
     return out

@@ -11,7 +11,14 @@ Every distributed benchmark goes through :func:`run_distributed`:
   ``python -m sparsecomm.bench BENCH ...`` with torchrun's variables
   (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT``), waits for them, merges the rows their
-  rank 0 hands back, and writes the outputs itself.
+  rank 0 hands back, and writes the outputs itself;
+- started by hand with ``--hosts H`` (as root), the parent first builds H
+  emulated hosts on this machine (``sparsecomm.bench.netns``: a network
+  namespace each, its link capped both ways at ``--rate`` with tbf) and
+  starts ``--ranks-per-host`` children in each, gloo bound to the host's
+  link: ranks of different hosts talk only through the capped links (no
+  shared memory joins them). Lists (``--hosts 2,4 --rate 1gbit,10gbit``) run
+  every combination; each row says its hosts and rate.
 
 Before anything starts, the outputs are checked (``--plot`` needs
 matplotlib; output folders must exist): a problem exits with status 2 and
@@ -36,7 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,12 +52,15 @@ from sparsecomm.bench.harness import EXIT_USAGE, Row, check_outputs, print_table
 from sparsecomm.collectives.bootstrap import init_distributed, shutdown
 from sparsecomm.collectives.launchers import detect_launcher, free_port, launcher_variable
 
-__all__ = ["EXIT_WRONG", "add_launch_args", "launched", "spawn", "run_distributed", "gather_floats",
+__all__ = ["EXIT_WRONG", "add_launch_args", "launched", "spawn", "spawn_hosts", "emulated_link", "run_distributed",
+           "gather_floats",
            "resolve_device_backend"]
 
 EXIT_WRONG = 3
 # Where a self-spawned job's rank 0 writes its rows (JSON) for the parent to merge.
 _RESULT_ENV = "SPARSECOMM_BENCH_RESULT"
+# The emulated host link a rank runs behind (set by spawn_hosts): "HOSTS,RANKS_PER_HOST,RATE".
+_LINK_ENV = "SPARSECOMM_BENCH_LINK"
 # A rank that died leaves the others blocked in a collective: stop them this long after.
 _GRACE_S = 10.0
 
@@ -68,6 +78,14 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nproc", type=_world_sizes, default=None, metavar="N[,N...]",
                    help="spawn N local ranks (a list runs one job per world size, e.g. 2,3,4); "
                         "ignored when started by torchrun/mpirun/srun")
+    g.add_argument("--hosts", type=_world_sizes, default=None, metavar="H[,H...]",
+                   help="emulate H hosts on this machine (needs root: network namespaces, tbf-capped links), "
+                        "--ranks-per-host ranks on each; a list runs one job per host count")
+    g.add_argument("--ranks-per-host", type=int, default=1, metavar="R",
+                   help="ranks on each emulated host (default 1)")
+    g.add_argument("--rate", default="1gbit", metavar="RATE[,RATE...]",
+                   help="each emulated host link's rate, both ways, in tc's syntax (100mbit, 1gbit, 10gbit); "
+                        "a list runs one job per rate (default 1gbit)")
     g.add_argument("--backend", default=None, choices=["gloo", "nccl", "mpi"],
                    help="default: nccl with --device cuda, else gloo")
     g.add_argument("--device", default=None, choices=["cpu", "cuda"],
@@ -125,7 +143,46 @@ def spawn(bench: str, argv: Sequence[str], world_size: int, result_path: Optiona
     """
     port = free_port("127.0.0.1")
     cmd = [sys.executable, "-m", "sparsecomm.bench", bench, *argv]
-    procs = [subprocess.Popen(cmd, env=_child_env(r, world_size, port, result_path)) for r in range(world_size)]
+    return _watch([subprocess.Popen(cmd, env=_child_env(r, world_size, port, result_path))
+                   for r in range(world_size)])
+
+
+def spawn_hosts(bench: str, argv: Sequence[str], hosts: int, ranks_per_host: int, rate: str,
+                result_path: Optional[str] = None) -> int:
+    """:func:`spawn` across ``hosts`` emulated hosts of ``ranks_per_host`` ranks, every host link capped at ``rate``.
+
+    Ranks of a host share its namespace (loopback between them, uncapped);
+    gloo binds to the host's veth, rank 0's address is the rendezvous. The
+    namespaces are removed when the ranks are done, on failure and on Ctrl-C.
+    """
+    from sparsecomm.bench.netns import EmulatedCluster
+
+    world = hosts * ranks_per_host
+    with EmulatedCluster(hosts, rate) as cluster:
+        procs = []
+        for rank in range(world):
+            host = rank // ranks_per_host
+            env = _child_env(rank, world, 29500, result_path)
+            env.update(LOCAL_RANK=str(rank % ranks_per_host), LOCAL_WORLD_SIZE=str(ranks_per_host),
+                       MASTER_ADDR=cluster.addr[0], GLOO_SOCKET_IFNAME=cluster.dev[host],
+                       **{_LINK_ENV: f"{hosts},{ranks_per_host},{rate}"})
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // world))
+            cmd = ["ip", "netns", "exec", cluster.ns[host], sys.executable, "-m", "sparsecomm.bench", bench, *argv]
+            procs.append(subprocess.Popen(cmd, env=env))
+        return _watch(procs)
+
+
+def emulated_link() -> Optional[Tuple[int, int, str]]:
+    """``(hosts, ranks per host, rate)`` of the emulated hosts this rank runs on, or None (not emulated)."""
+    value = os.environ.get(_LINK_ENV)
+    if not value:
+        return None
+    hosts, rph, rate = value.split(",")
+    return int(hosts), int(rph), rate
+
+
+def _watch(procs: List[subprocess.Popen]) -> int:
+    """Wait for the ranks; a failing rank's peers get :data:`_GRACE_S` seconds, then are stopped."""
     first_failure: Optional[int] = None
     failed_at: Optional[float] = None
     try:
@@ -156,6 +213,38 @@ def spawn(bench: str, argv: Sequence[str], world_size: int, result_path: Optiona
     if bad:
         return bad[0]
     return EXIT_WRONG if EXIT_WRONG in codes else 0
+
+
+def _rate_ok(parse, rate: str) -> bool:
+    try:
+        parse(rate)
+        return True
+    except ValueError:
+        return False
+
+
+def _run_jobs(bench: str, jobs: Sequence, args: argparse.Namespace, table: Callable[[List[Row], str], None],
+              title: str, plot: Optional[Callable[[List[Row], str], None]]) -> int:
+    """Run each ``(label, start)`` job (``start(result_path) -> exit status``), merge the rows their rank 0 hands back."""
+    rows: List[Row] = []
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="sparsecomm-bench-") as tmp:
+        for i, (label, start) in enumerate(jobs):
+            result_path = os.path.join(tmp, f"rows-{i}.json")
+            progress(f"{bench}: starting {label}; a line per configuration follows")
+            t0 = time.monotonic()
+            rc = start(result_path)
+            progress(f"{bench}: {label} finished in {time.monotonic() - t0:.1f} s (exit status {rc})")
+            if os.path.exists(result_path):
+                with open(result_path) as f:
+                    rows += [Row(cols) for cols in json.load(f)]
+            if rc not in (0, EXIT_WRONG):
+                print(f"# {bench}: {label} failed with exit status {rc}", file=sys.stderr, flush=True)
+            status = status or rc
+    if len(jobs) > 1 and rows:
+        table(rows, f"{title}: " + "; ".join(label for label, _ in jobs))
+    _write(rows, args, plot)
+    return status
 
 
 def gather_floats(value: float) -> List[float]:
@@ -210,26 +299,27 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
     def table(rows: List[Row], heading: str) -> None:
         print_table(rows, heading, compact_cols=compact_cols, wide=getattr(args, "wide", False), legend=legend)
 
+    if args.hosts and args.nproc:
+        print(f"{bench}: --hosts and --nproc exclude each other (--ranks-per-host sets the ranks of a host)",
+              file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if args.hosts and not launched():
+        from sparsecomm.bench.netns import can_emulate, parse_rate
+
+        why = can_emulate()
+        bad_rate = [r for r in args.rate.split(",") if not _rate_ok(parse_rate, r)]
+        if why or bad_rate or args.ranks_per_host < 1:
+            reason = why or (f"--rate {bad_rate[0]!r}: use tc's syntax (100mbit, 1gbit, 10gbit)" if bad_rate
+                             else "--ranks-per-host must be >= 1")
+            print(f"{bench}: cannot emulate hosts: {reason}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        jobs = [(f"{h} hosts x {args.ranks_per_host} ranks at {rate}",
+                 lambda path, h=h, rate=rate: spawn_hosts(bench, argv, h, args.ranks_per_host, rate, path))
+                for h in args.hosts for rate in args.rate.split(",")]
+        return _run_jobs(bench, jobs, args, table, title, plot)
     if args.nproc and not launched():
-        rows: List[Row] = []
-        status = 0
-        with tempfile.TemporaryDirectory(prefix="sparsecomm-bench-") as tmp:
-            for n in args.nproc:
-                result_path = os.path.join(tmp, f"rows-{n}.json")
-                progress(f"{bench}: starting {n} local ranks (world size {n}); a line per configuration follows")
-                t0 = time.monotonic()
-                rc = spawn(bench, argv, n, result_path)
-                progress(f"{bench}: world size {n} finished in {time.monotonic() - t0:.1f} s (exit status {rc})")
-                if os.path.exists(result_path):
-                    with open(result_path) as f:
-                        rows += [Row(cols) for cols in json.load(f)]
-                if rc not in (0, EXIT_WRONG):
-                    print(f"# {bench}: world size {n} failed with exit status {rc}", file=sys.stderr, flush=True)
-                status = status or rc
-        if len(args.nproc) > 1 and rows:
-            table(rows, f"{title}: world sizes {','.join(map(str, args.nproc))}")
-        _write(rows, args, plot)
-        return status
+        jobs = [(f"world size {n}", lambda path, n=n: spawn(bench, argv, n, path)) for n in args.nproc]
+        return _run_jobs(bench, jobs, args, table, title, plot)
 
     if args.nproc and launched() and int(os.environ.get("WORLD_SIZE", args.nproc[0])) not in args.nproc:
         print("# --nproc ignored: the launcher decides the world size", file=sys.stderr, flush=True)
