@@ -72,7 +72,7 @@ def fused_exchange(tensors: List[TensorRows], peers: List[Peers], plan: SyncPlan
         else:  # an owner records the error and tells every rank in its pull count
             ids, sums = t.ids[:0], t.values.new_empty((0, *t.value_shape()), dtype=t.sum_dtype)
             err = WireStatus.ID_RANGE
-        ids, sums = finish_sums(t, ids, sums, plan)
+        ids, sums = finish_sums(t, ids, sums, plan, final=not t.path.pulls)
         if not t.path.pulls:
             out[i] = ids, sums
             continue
@@ -86,11 +86,17 @@ def fused_exchange(tensors: List[TensorRows], peers: List[Peers], plan: SyncPlan
     return out
 
 
-def finish_sums(t: TensorRows, ids: torch.Tensor, sums: torch.Tensor, plan: SyncPlan) -> Result:
-    """Sums of received rows (in ``t.sum_dtype``) as results: averaged if asked, in the tensor's dtype and device."""
+def finish_sums(t: TensorRows, ids: torch.Tensor, sums: torch.Tensor, plan: SyncPlan, final: bool = True
+                ) -> Result:
+    """Sums of received rows (in ``t.sum_dtype``), averaged if asked, on the tensor's device.
+
+    ``final``: these are the results, in the tensor's dtype; else they travel
+    on (an owner's sums for the pull), in the rows' wire dtype.
+    """
     if plan.op is ReduceOp.AVG:
         sums.div_(plan.world_size)
-    return ids.to(t.ids.device), sums.to(device=t.values.device, dtype=t.values.dtype)
+    dtype = t.tensor.dtype if final else t.values.dtype
+    return ids.to(t.ids.device), sums.to(device=t.values.device, dtype=dtype)
 
 
 def _pull_counts(owned: Sequence[Result], errors: Sequence[WireStatus], tensors: List[TensorRows],

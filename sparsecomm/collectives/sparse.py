@@ -38,7 +38,7 @@ from sparsecomm.collectives import methods
 from sparsecomm.collectives.fused import fused_exchange
 from sparsecomm.collectives.groups import node_groups, run_async, twin_group
 from sparsecomm.collectives.methods.base import SyncPath
-from sparsecomm.collectives.sync_plan import SyncPlan, TensorRows, prepare, unlinear
+from sparsecomm.collectives.sync_plan import SyncOptions, SyncPlan, TensorRows, prepare, unlinear
 from sparsecomm.collectives.sync_wire import exchange_meta
 from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats, SyncMethod
 
@@ -56,8 +56,8 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
                      op: Union[str, ReduceOp] = "sum", async_op: bool = False, *,
                      scheme: Union[str, PartitionScheme] = "hash", local_world_size: Optional[int] = None,
                      local_aggregation: bool = True, method: Union[str, SyncMethod] = "partitioned",
-                     nonfinite: str = "raise", stats: Optional[SparseSyncStats] = None
-                     ) -> Union[torch.Tensor, torch.futures.Future]:
+                     nonfinite: str = "raise", stats: Optional[SparseSyncStats] = None,
+                     compression: Optional[str] = None) -> Union[torch.Tensor, torch.futures.Future]:
     """Sum (or average) a sparse COO tensor over all ranks of ``group``.
 
     The result is coalesced, has the input's shape and dtype, and is bitwise
@@ -100,6 +100,16 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
             is not finite); ``"propagate"``: sum them like ``all_reduce``
             does (e.g. for AMP's overflow detection).
         stats: a :class:`SparseSyncStats` to fill (bytes, rows, phase times).
+        compression: None (default: exact) or ``"bf16"`` / ``"fp16"``: the
+            value rows travel in that dtype (half the bytes of float32) on
+            the partitioned, allgather, two-level and tree paths; owners (and
+            the tree's merges) sum them in float32 and round the sums once to
+            the wire dtype for the way back; the result has the input's dtype.
+            Every element is then within ``2 u sum_i |x_i|`` of the exact sum
+            (u: the wire dtype's unit roundoff, 2**-8 for bf16, 2**-11 for
+            fp16; two-level and tree paths round once per level or stage
+            more), and fp16 overflows beyond 65504. densify and torch ignore
+            it (their sums are the backend's). Every rank must pass the same.
 
     Note:
         The first async call, and the first two-level call, for a group
@@ -126,7 +136,8 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
     """
     out = sparse_allreduce_coalesced([tensor], group, op, async_op, scheme=scheme,
                                      local_world_size=local_world_size, local_aggregation=local_aggregation,
-                                     method=method, nonfinite=nonfinite, stats=None if stats is None else [stats])
+                                     method=method, nonfinite=nonfinite, stats=None if stats is None else [stats],
+                                     compression=compression)
     if async_op:
         return out.then(lambda f: f.value()[0])
     return out[0]
@@ -138,7 +149,7 @@ def sparse_allreduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[
                                local_world_size: Optional[int] = None, local_aggregation: bool = True,
                                method: Union[str, SyncMethod, Sequence[Union[str, SyncMethod]]] = "partitioned",
                                nonfinite: str = "raise", stats: Optional[Sequence[SparseSyncStats]] = None,
-                               capacity: Optional[Sequence[int]] = None
+                               capacity: Optional[Sequence[int]] = None, compression: Optional[str] = None
                                ) -> Union[List[torch.Tensor], torch.futures.Future]:
     """:func:`sparse_allreduce` of several sparse tensors in one set of collectives.
 
@@ -170,8 +181,8 @@ def sparse_allreduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[
     stats = [SparseSyncStats() for _ in tensors] if stats is None else list(stats)
     if len(stats) != len(tensors):
         raise ValueError(f"stats: got {len(stats)} for {len(tensors)} tensors")
-    plan = SyncPlan.build(tensors, group, op, scheme, local_world_size, local_aggregation, methods, nonfinite,
-                          capacity)
+    plan = SyncPlan.build(tensors, group, SyncOptions(op, scheme, local_world_size, local_aggregation, methods,
+                                                      nonfinite, capacity, compression))
     paths = _paths(plan, group)
     hierarchical = any(p.hierarchical for p in paths)
     if hierarchical:

@@ -26,9 +26,32 @@ from sparsecomm.collectives.transport import wire_index_dtype
 from sparsecomm.ownership import range_size, scheme_of
 from sparsecomm.types import ReduceOp, SparseSyncStats, SyncMethod, WireStatus
 
-__all__ = ["SyncPlan", "TensorRows", "Peers", "prepare", "unlinear"]
+__all__ = ["SyncOptions", "SyncPlan", "TensorRows", "Peers", "prepare", "unlinear", "WIRE_DTYPES"]
+
+# compression= -> the values' dtype on the wire.
+WIRE_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # ------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """What the caller asked of one call (``sparse_allreduce_coalesced``'s options), before validation.
+
+    ``compression``: None (the tensors' dtype on the wire: exact) or
+    ``"bf16"`` / ``"fp16"``: value rows travel in that dtype on the paths
+    that sum at an owner or a merge (``SyncPath.compresses``), summed in
+    float32 there and rounded once to it again for the way back.
+    """
+
+    op: object = "sum"
+    scheme: object = "hash"
+    local_world_size: Optional[int] = None
+    local_aggregation: bool = True
+    methods: Sequence[object] = ()
+    nonfinite: str = "raise"
+    capacity: Optional[Sequence[int]] = None
+    compression: Optional[str] = None
 
 
 @dataclass
@@ -47,14 +70,18 @@ class SyncPlan:
     rank: int = 0
     comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     capacity: Optional[List[int]] = None  # rows reserved per rank and tensor: one-collective allgather
+    wire_dtype: Optional[torch.dtype] = None  # compression: values' dtype on the wire (None: their own)
 
     @staticmethod
-    def build(tensors: Sequence[torch.Tensor], group, op, scheme, local_world_size, local_aggregation, methods,
-              nonfinite, capacity: Optional[Sequence[int]] = None) -> "SyncPlan":
-        op, scheme = ReduceOp(op), scheme_of(scheme)
-        methods = [SyncMethod(m) for m in methods]
+    def build(tensors: Sequence[torch.Tensor], group, options: SyncOptions) -> "SyncPlan":
+        op, scheme = ReduceOp(options.op), scheme_of(options.scheme)
+        methods = [SyncMethod(m) for m in options.methods]
+        nonfinite, capacity = options.nonfinite, options.capacity
+        local_world_size, local_aggregation = options.local_world_size, options.local_aggregation
         if nonfinite not in ("raise", "propagate"):
             raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
+        if options.compression not in WIRE_DTYPES:
+            raise ValueError(f"compression must be 'bf16', 'fp16' or None, got {options.compression!r}")
         for t in tensors:
             _check_tensor(t)
         devices = {t.device for t in tensors}
@@ -72,7 +99,8 @@ class SyncPlan:
                 raise ValueError(f"capacity: one non-negative row count per tensor, got {capacity}")
         device = devices.pop() if devices else torch.device("cpu")
         return SyncPlan(op, scheme.value, methods, local_world_size, local_aggregation, nonfinite, device,
-                        group, n, dist.get_rank(group), capacity=capacity)
+                        group, n, dist.get_rank(group), capacity=capacity,
+                        wire_dtype=WIRE_DTYPES[options.compression])
 
     def on(self, group: Optional[dist.ProcessGroup]) -> "SyncPlan":
         """This plan bound to the group it runs on (the caller's or its twin)."""
@@ -182,6 +210,9 @@ def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncSt
         rows.status = WireStatus.NONFINITE
     if rows.status != WireStatus.OK:
         rows.ids, rows.values = rows.ids[:0], values[:0]
+    if plan.wire_dtype is not None and path.compresses and rows.values.dtype != plan.wire_dtype:
+        # Rounded once here; the owners (or merges) sum in float32 and round once more for the way back.
+        rows.values = rows.values.to(plan.wire_dtype)
     stats.rows_local = rows.ids.shape[0]
     if path.partitions:
         # Ids, counts and perm only: the push packs the value rows through perm straight into the send

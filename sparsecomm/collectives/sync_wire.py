@@ -6,7 +6,7 @@ message for T tensors is ``T * (19 + N)`` int64:
 
 ====================  ============================================================
 ``[0]``               magic (``MAGIC``): a peer not in a ``sparse_allreduce`` call
-``[1]``               value dtype (index in ``ops.VALUE_DTYPES``)
+``[1]``               value dtype (index in ``ops.VALUE_DTYPES``), + 16 (1 + the wire dtype's index) when compressed
 ``[2]``, ``[3]``      dimensions, sparse dimensions
 ``[4]``               crc32 of (shape, dtype)
 ``[5:13]``            shape, padded with -1 to 8 dimensions
@@ -48,6 +48,7 @@ _MAX_DIMS = 8
 HEADER_WORDS = 17                  # magic .. method: equal on every rank
 STATUS_WORD, K_WORD, PUSH_WORD = 17, 18, 19
 RECORD_FIXED = PUSH_WORD           # then one push count per rank
+_WIRE_STEP = 16                    # the dtype word: own dtype + 16 (1 + wire dtype) when compressed
 
 
 def record_width(world_size: int) -> int:
@@ -74,8 +75,23 @@ def _header(t: TensorRows, plan: SyncPlan) -> List[int]:
     dims = (shape + [-1] * _MAX_DIMS)[:_MAX_DIMS]
     digest = zlib.crc32(repr((shape, str(t.tensor.dtype))).encode())
     node_size = plan.local_world_size if t.path.node_layout else 1
-    return [MAGIC, ops.VALUE_DTYPES.index(t.tensor.dtype), len(shape), t.tensor.sparse_dim(), digest, *dims,
+    return [MAGIC, _dtype_word(t), len(shape), t.tensor.sparse_dim(), digest, *dims,
             list(ReduceOp).index(plan.op), scheme_code(plan.scheme), node_size, list(SyncMethod).index(t.method)]
+
+
+def _dtype_word(t: TensorRows) -> int:
+    word = ops.VALUE_DTYPES.index(t.tensor.dtype)
+    if t.values.dtype != t.tensor.dtype:  # compressed on the wire
+        word += _WIRE_STEP * (1 + ops.VALUE_DTYPES.index(t.values.dtype))
+    return word
+
+
+def _describe_dtype(word: int) -> str:
+    dtypes = ops.VALUE_DTYPES
+    own, wire = word % _WIRE_STEP, word // _WIRE_STEP - 1
+    if not 0 <= own < len(dtypes) or not -1 <= wire < len(dtypes):
+        return str(word)
+    return str(dtypes[own]) + (f" (on the wire: {dtypes[wire]})" if wire >= 0 else "")
 
 
 def encode(t: TensorRows, plan: SyncPlan, push: Sequence[int]) -> List[int]:
@@ -91,13 +107,13 @@ def decode(words: Sequence[int]) -> Record:
 def describe(header: Sequence[int]) -> str:
     """A header for an error message, every field named (unknown codes as their numbers)."""
     dims = [d for d in header[5:5 + _MAX_DIMS] if d >= 0][: header[2]]
-    dtypes, ops_, methods = ops.VALUE_DTYPES, list(ReduceOp), list(SyncMethod)
+    ops_, methods = list(ReduceOp), list(SyncMethod)
 
     def name(table, code):
         return (table[code].value if hasattr(table[code], "value") else table[code]) \
             if 0 <= code < len(table) else code
 
-    return (f"shape={tuple(dims)}, dtype={name(dtypes, header[1])}, sparse_dim={header[3]}, "
+    return (f"shape={tuple(dims)}, dtype={_describe_dtype(header[1])}, sparse_dim={header[3]}, "
             f"op={name(ops_, header[13])}, scheme={describe_code(header[14])}, local_world_size={header[15]}, "
             f"method={name(methods, header[16])}")
 

@@ -107,4 +107,5 @@ PATH = SyncPath(
     baseline=True,
     push=_push,
     with_metadata=with_metadata,
+    compresses=True,
 )

@@ -124,6 +124,9 @@ class SyncPath:
         backend: the only backend the path runs on (None: any).
         baseline: what other systems do (Horovod's allgather, DDP's sparse
             all_reduce): benchmarks compare the library's own paths against these.
+        compresses: with ``compression=``, its value rows travel in the
+            compressed dtype (it sums them in float32 at an owner or a merge);
+            a path that does not keeps the tensor's dtype on the wire.
         run: ``run(rows, peers, plan) -> (ids, values)`` for a path taken one
             by one (not fused).
         push: for a fused path, ``push(rows, peers, plan) -> FusedPush``.
@@ -156,6 +159,7 @@ class SyncPath:
     fitted_name: str = ""
     backend: Optional[str] = None
     baseline: bool = False
+    compresses: bool = False
     run: Optional[RunFn] = None
     push: Optional[Callable] = None
     with_metadata: Optional[Callable] = None

@@ -58,4 +58,5 @@ PATH = SyncPath(
     pulls=True,
     partitions=True,
     push=_push,
+    compresses=True,
 )

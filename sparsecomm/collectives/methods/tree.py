@@ -33,6 +33,7 @@ last all-to-all of one int64 per peer makes every rank raise together.
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -106,7 +107,7 @@ class _Link:
         self.t, self.plan = t, plan
         self.dev = plan.comm_device
         self.wi = torch.empty(0, dtype=t.wire_ids).element_size()
-        self.wv = t.stats.row_bytes
+        self.wv = math.prod(t.value_shape()) * t.values.element_size()   # a row on the wire (maybe compressed)
         self.sent = [0] * plan.world_size
         self.recv = [0] * plan.world_size
 
@@ -329,4 +330,5 @@ PATH = SyncPath(
     merged_rows=_merged_rows,
     node_layout=True,
     run=tree_allreduce,
+    compresses=True,
 )

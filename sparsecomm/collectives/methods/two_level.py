@@ -81,4 +81,5 @@ PATH = SyncPath(
     merged_rows=lambda w: 2 * (w.rows_mean + w.union_rows),
     node_layout=True,
     run=two_level_allreduce,
+    compresses=True,
 )

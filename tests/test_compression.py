@@ -1,0 +1,112 @@
+"""Rows compressed on the wire (sparse_allreduce(compression="bf16"/"fp16")): within the documented bound of the
+exact float64 sum on every path that compresses, half the value bytes, the same on every rank; off by default.
+
+Real multi-process runs (gloo) at world 1-3; the two-level path at world 4 (slow).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparsecomm
+from distributed import run_ranks
+
+V, D = 300, 8
+UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+COMPRESSING = ("partitioned", "allgather", "tree")
+
+
+def _grad(rank: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(17 + rank)
+    ids = torch.randint(0, V, (120,), generator=g)      # duplicates, and rows shared between ranks
+    values = torch.randn(120, D, generator=g, dtype=torch.float64) * scale
+    return torch.sparse_coo_tensor(ids[None], values.float(), (V, D), check_invariants=False)
+
+
+def _reference(world: int, op: str):
+    """Exact sums (float64) and sums of absolute values of every rank's float32 input, per row, and the touched rows."""
+    total = torch.zeros(V, D, dtype=torch.float64)
+    absolute = torch.zeros(V, D, dtype=torch.float64)
+    for r in range(world):
+        g = _grad(r)
+        rows, vals = g._indices()[0], g._values().double()
+        total.index_add_(0, rows, vals)
+        absolute.index_add_(0, rows, vals.abs())
+    touched = torch.unique(torch.cat([_grad(r)._indices()[0] for r in range(world)]))
+    if op == "avg":
+        total, absolute = total / world, absolute / world
+    return total, absolute, touched
+
+
+def _worker(rank, world, compression):
+    out = {}
+    for method in COMPRESSING + ("densify",):
+        for op in ("sum", "avg"):
+            exact_stats, stats = sparsecomm.SparseSyncStats(), sparsecomm.SparseSyncStats()
+            exact = sparsecomm.sparse_allreduce(_grad(rank), op=op, method=method, stats=exact_stats)
+            got = sparsecomm.sparse_allreduce(_grad(rank), op=op, method=method, compression=compression,
+                                              stats=stats)
+            out[method, op] = (got.indices(), got.values(), got.dtype, exact.indices(), exact.values(),
+                               stats.bytes_sent, exact_stats.bytes_sent)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+def test_compressed_sums_are_within_the_bound_and_halve_the_value_bytes(world, compression):
+    results = run_ranks(world, _worker, compression)
+    u = UNIT_ROUNDOFF[compression]
+    for op in ("sum", "avg"):
+        total, absolute, touched = _reference(world, op)
+        for method in COMPRESSING:
+            ids0, values0 = results[0][method, op][:2]
+            for rank in range(world):
+                ids, values, dtype, exact_ids, exact_values, sent, exact_sent = results[rank][method, op]
+                assert dtype == torch.float32                  # the input's dtype, whatever travelled
+                assert torch.equal(ids[0], touched) and torch.equal(exact_ids[0], touched)
+                assert torch.equal(ids, ids0) and torch.equal(values, values0), "ranks must agree bitwise"
+                err = (values.double() - total[touched]).abs()
+                bound = 2 * u * absolute[touched] + 1e-6 * absolute[touched] + 1e-30
+                assert bool((err <= bound).all()), (method, op, float((err - bound).max()))
+                if world > 1:
+                    # Value rows at half the bytes; ids and metadata unchanged.
+                    assert sent < exact_sent, (method, sent, exact_sent)
+        for rank in range(world):  # densify keeps the backend's sums: compression does not apply
+            ids, values, _, exact_ids, exact_values, sent, exact_sent = results[rank]["densify", op]
+            assert torch.equal(values, exact_values) and sent == exact_sent
+
+
+def _mismatch_worker(rank, world):
+    try:
+        sparsecomm.sparse_allreduce(_grad(rank), compression="bf16" if rank == 0 else None)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_that_disagree_on_the_wire_dtype_raise_on_every_rank():
+    results = run_ranks(2, _mismatch_worker)
+    for r in range(2):
+        assert "ranks disagree on the tensor" in results[r] and "on the wire: torch.bfloat16" in results[r]
+
+
+def test_an_unknown_compression_is_refused_before_anything_moves():
+    with pytest.raises(ValueError, match="compression must be 'bf16', 'fp16' or None"):
+        sparsecomm.sparse_allreduce(_grad(0), compression="int8")
+
+
+def _two_level_worker(rank, world):
+    got = sparsecomm.sparse_allreduce(_grad(rank), local_world_size=2, compression="bf16")
+    return got.indices(), got.values()
+
+
+@pytest.mark.slow
+def test_two_level_path_compresses_within_a_bound_per_level():
+    results = run_ranks(4, _two_level_worker)
+    total, absolute, touched = _reference(4, "sum")
+    for rank in range(4):
+        ids, values = results[rank]
+        assert torch.equal(ids[0], touched)
+        err = (values.double() - total[touched]).abs()
+        assert bool((err <= 4 * UNIT_ROUNDOFF["bf16"] * absolute[touched] + 1e-6).all())
