@@ -342,3 +342,43 @@ def test_a_failing_rank_fails_the_run_fast():
     out = _bench(["sparse_sync", "--nproc", "2", *TINY_SPARSE, "--rows", "0"], timeout=90)
     assert out.returncode not in (0, EXIT_WRONG), _fail(out)
     assert "num_rows must be >= 1" in out.stderr
+
+
+# ---------------------------------------------------------------- end to end, one host and emulated hosts
+
+TINY_E2E = ["--tables", "20000,3000", "--batch", "32", "--steps", "2", "--warmup", "1", "--optimizers", "sgd",
+            "--timeout", "60"]
+
+
+def test_e2e_emulated_hosts_refuse_what_cannot_run_with_the_reason():
+    both = _bench(["e2e", "--hosts", "2", "--nproc", "2", *TINY_E2E])
+    assert both.returncode == 2 and "--hosts and --nproc exclude each other" in both.stderr, _fail(both)
+    bad = _bench(["e2e", "--hosts", "2", "--rate", "fast", *TINY_E2E])
+    assert bad.returncode == 2 and "cannot emulate hosts" in bad.stderr, _fail(bad)
+
+
+@pytest.mark.slow
+def test_e2e_on_one_host_every_method_right(tmp_path):
+    js = tmp_path / "e2e.json"
+    out = _bench(["e2e", "--nproc", "2", *TINY_E2E, "--json", str(js)], timeout=300)
+    assert out.returncode == 0, _fail(out)
+    rows = [r for r in _rows(js) if not r.get("skipped")]
+    assert {r["method"] for r in rows} == {"ddp", "register", "parallelize", "parallelize_plan", "sharded"}
+    assert all(r["#wrong"] == 0 and r["hosts"] == "" and r["link_floor_ms"] == "" for r in rows)
+
+
+@pytest.mark.slow
+def test_e2e_across_two_emulated_hosts(tmp_path):
+    from sparsecomm.bench.netns import can_emulate
+
+    if can_emulate():
+        pytest.skip(f"emulated hosts: {can_emulate()}")
+    js = tmp_path / "e2e.json"
+    out = _bench(["e2e", "--hosts", "2", "--rate", "1gbit", *TINY_E2E, "--json", str(js)], timeout=300)
+    assert out.returncode == 0, _fail(out)
+    rows = [r for r in _rows(js) if not r.get("skipped")]
+    assert len(rows) == 5 and all(r["#wrong"] == 0 and r["hosts"] == "2x1" and r["rate"] == "1gbit" for r in rows)
+    # The link floor adds the bytes each method must move at 1 Gbit/s to the compute floor.
+    for r in rows:
+        assert r["MB_moved"] > 0 and r["link_floor_ms"] == pytest.approx(r["floor_ms"] + r["MB_moved"] * 1e6 / 125e6
+                                                                         * 1e3, rel=1e-6)
