@@ -38,9 +38,9 @@ element-wise, or Adam = lazy Adam on tables + Adam on the MLP). Before any
 timing, one step of each method from the same weights is checked against
 a float64 single-process step on the whole (all ranks') batch: ``#wrong``
 counts tensors off by more than the tolerance (exit 3 when any is).
-TorchRec's ``DistributedModelParallel`` is not a contender here yet: its
-CPU planner refuses row-wise sharding (see the ``sharded`` benchmark for a
-hand-built plan of one table); it is listed as skipped.
+- ``torchrec_dmp``: TorchRec's ``DistributedModelParallel`` with its own
+  planner (on CPU: table-wise), where TorchRec is installed
+  (``bench/e2e_torchrec.py``); listed as skipped, with the reason, otherwise.
 
     python -m sparsecomm.bench e2e --nproc 2,4 --optimizers sgd,adagrad
     python -m sparsecomm.bench e2e --hosts 2,4 --rate 1gbit,10gbit --optimizers sgd,adagrad,adam
@@ -60,6 +60,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
+from sparsecomm.bench import e2e_torchrec
 from sparsecomm.bench.harness import Row, progress
 from sparsecomm.bench.launch import add_launch_args, emulated_link, run_distributed
 from sparsecomm.bench.netns import parse_rate
@@ -117,7 +118,24 @@ def make_batch(a: argparse.Namespace, rows: Sequence[int], step: int, rank: int)
 
 
 def loss_of(model: nn.Module, b: Dict[str, Any]) -> torch.Tensor:
-    return nn.functional.binary_cross_entropy_with_logits(model(b), b["y"].to(b["dense"].dtype))
+    out = model(*e2e_torchrec.batch_input(b, len(b["ids"]))) if isinstance(model, _DMP_TYPES) else model(b)
+    return nn.functional.binary_cross_entropy_with_logits(out, b["y"].to(b["dense"].dtype))
+
+
+def _dmp_types() -> tuple:
+    if e2e_torchrec.missing():
+        return ()
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    return (DistributedModelParallel,)
+
+
+_DMP_TYPES = _dmp_types()
+
+
+def _methods(optimizer: str) -> Sequence[str]:
+    """The contenders of this run: TorchRec's only where it is installed and has the optimizer."""
+    return METHODS + (() if e2e_torchrec.missing(optimizer) else ("torchrec_dmp",))
 
 
 def reference_optimizer(model: DLRM, name: str) -> torch.optim.Optimizer:
@@ -164,7 +182,7 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
 
     runs: Dict[str, Dict[str, Any]] = {}
     plans: Dict[str, str] = {}
-    for method in METHODS + ("floor",):
+    for method in _methods(optimizer) + ("floor",):
         model, opt, plans[method] = _build(method, copy.deepcopy(base), a, rows, optimizer)
         runs[method] = dict(model=model, opt=opt, times={p: [] for p in PHASES},
                             bytes=_bytes_moved(method, model, batches, rows, a))
@@ -183,7 +201,9 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
             t2 = time.perf_counter()
             r["opt"].step()
             t3 = time.perf_counter()
-            if step == 0 and method != "floor":
+            if step == 0 and method == "torchrec_dmp":
+                wrong[method] = e2e_torchrec.local_weights_wrong(r["model"], expected, a.tolerance)
+            elif step == 0 and method != "floor":
                 got = full_weights(r["model"])
                 wrong[method] = sum(int(not torch.allclose(got[k].double(), v, rtol=a.tolerance, atol=a.tolerance))
                                     for k, v in expected.items())
@@ -193,15 +213,18 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
         if rank == 0 and step == a.warmup - 1:
             progress(f"e2e: world {n} {optimizer}: checked ({wrong}), timing {a.steps} steps")
     return dict(medians={m: {p: statistics.median(v) for p, v in r["times"].items()} for m, r in runs.items()},
-                memory={m: memory_bytes(r["model"], r["opt"]) for m, r in runs.items()}, wrong=wrong,
+                memory={m: (e2e_torchrec.memory_bytes(r["model"], r["opt"]) if m == "torchrec_dmp" else
+                            memory_bytes(r["model"], r["opt"])) for m, r in runs.items()}, wrong=wrong,
                 plan=plans["parallelize"], plans=plans, bytes={m: r["bytes"] for m, r in runs.items()},
-                sharded={m: bool(sparsecomm.sharded.sharded_modules(getattr(r["model"], "module", r["model"])))
-                         for m, r in runs.items()})
+                sharded={m: m == "torchrec_dmp" or bool(sparsecomm.sharded.sharded_modules(
+                    getattr(r["model"], "module", r["model"]))) for m, r in runs.items()})
 
 
 def _build(method: str, model: nn.Module, a: argparse.Namespace, rows: Sequence[int], optimizer: str):
     """One method's model and optimizer (and its plan, printed), from a copy of the same initial weights."""
     cls, kw = OPTIMIZERS[optimizer]
+    if method == "torchrec_dmp":
+        return e2e_torchrec.build(model, rows, a.dim, optimizer, OPTIMIZERS)
     if method in ("ddp", "register"):
         model = DDP(model)
         if method == "register":
@@ -227,6 +250,9 @@ def _bytes_moved(method: str, model: nn.Module, batches: Sequence[Dict[str, Any]
     n = len(batches)
     if method == "floor" or n == 1:
         return 0.0
+    if method == "torchrec_dmp":
+        dense = sum(p.numel() * 4 for name, p in model.named_parameters() if not name.startswith("ebc."))
+        return e2e_torchrec.bytes_moved(a.batch, a.bag, a.dim, len(rows), n, dense)
     inner = getattr(model, "module", model)
     dense = sum(p.numel() * p.element_size() for name, p in inner.named_parameters() if not name.startswith("tables"))
     total = 2 * (n - 1) / n * dense
@@ -258,12 +284,14 @@ def body(a: argparse.Namespace) -> List[Row]:
             continue
         if optimizer == a.optimizers.split(",")[0]:
             print(mine["plan"], flush=True)
-        med = {m: {p: max(e["medians"][m][p] for e in everyone) for p in PHASES} for m in METHODS + ("floor",)}
+            if "torchrec_dmp" in mine["plans"]:
+                print("# TorchRec's own plan:\n" + mine["plans"]["torchrec_dmp"], flush=True)
+        med = {m: {p: max(e["medians"][m][p] for e in everyone) for p in PHASES} for m in _methods(optimizer) + ("floor",)}
         floor = med["floor"]["step"]
         floor_sharded = floor - (n - 1) / n * med["floor"]["optimizer"]
         link = emulated_link()
         where = {"hosts": f"{link[0]}x{link[1]}" if link else "", "rate": link[2] if link else ""}
-        for m in METHODS:
+        for m in _methods(optimizer):
             step = med[m]["step"]
             compute = floor_sharded if mine["sharded"][m] else floor
             moved = max(e["bytes"][m] for e in everyone)
@@ -276,8 +304,9 @@ def body(a: argparse.Namespace) -> List[Row]:
                 "forward_ms": 1e3 * med[m]["forward"], "backward_ms": 1e3 * med[m]["backward"],
                 "optimizer_ms": 1e3 * med[m]["optimizer"],
                 "#wrong": max(e["wrong"][m] for e in everyone)}))
-        out.append(Row({"world": n, **where, "optimizer": optimizer, "method": "torchrec_dmp",
-                        "skipped": "not a contender here yet (its CPU planner refuses row-wise sharding)"}))
+        if e2e_torchrec.missing(optimizer):
+            out.append(Row({"world": n, **where, "optimizer": optimizer, "method": "torchrec_dmp",
+                            "skipped": e2e_torchrec.missing(optimizer)}))
         progress(f"e2e: world {n} {optimizer} done")
     return out
 
