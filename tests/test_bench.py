@@ -384,3 +384,15 @@ def test_e2e_across_two_emulated_hosts(tmp_path):
     for r in rows:
         assert r["MB_moved"] > 0 and r["link_floor_ms"] == pytest.approx(r["floor_ms"] + r["MB_moved"] * 1e6 / 125e6
                                                                          * 1e3, rel=1e-6)
+
+
+def test_bench_help_lists_every_benchmark_and_mistakes_say_why():
+    from sparsecomm.bench.__main__ import BENCHMARKS
+
+    out = _bench(["--help"], timeout=60)
+    assert out.returncode == 0, _fail(out)
+    for name in BENCHMARKS:
+        assert f"  {name} " in out.stdout
+    for args, why in (([], "no benchmark named"), (["nope"], "unknown benchmark 'nope'")):
+        bad = _bench(args, timeout=60)
+        assert bad.returncode == 2 and why in bad.stderr and "kernels" in bad.stderr, _fail(bad)
