@@ -37,6 +37,7 @@ import dataclasses
 import json
 import math
 import os
+import textwrap
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -174,26 +175,35 @@ class Plan:
         return cls.from_dict(manifest["plan"])
 
     def __str__(self) -> str:
-        head = ("table", "kind", "rows x dim", "placement", "MiB/rank", "repl MiB", "shard MiB", "B/step repl",
-                "B/step shard", "distinct", "union", "skew", "reason")
-        rows = [head]
-        for n, t in self.tables.items():
+        """A table that fits 120 columns: one line per table, each reason numbered below it, wrapped."""
+        head = ("table", "kind", "rows x dim", "placement", "MiB/rank", "MB repl", "MB shard", "ids/rank", "union", "")
+        rows, notes = [head], []
+        for i, (n, t) in enumerate(self.tables.items(), 1):
             place = t.placement + (f" ({t.scheme})" if t.placement == "shard" else "")
-            rows.append((n, t.kind, f"{t.num_embeddings} x {t.embedding_dim}", place, _mib(t.memory),
-                         _mib(t.memory_replicated), _mib(t.memory_sharded),
-                         "-" if t.bytes_replicated is None else f"{t.bytes_replicated:.3g}",
-                         "-" if t.bytes_sharded is None else f"{t.bytes_sharded:.3g}",
-                         "-" if t.distinct is None else "/".join(map(str, t.distinct)),
-                         "-" if t.union is None else str(t.union),
-                         "-" if t.skew is None else f"{t.skew:.2f}", t.reason))
-        widths = [max(len(str(r[i])) for r in rows) for i in range(len(head) - 1)]
-        lines = [f"sparsecomm plan: {self.world_size} ranks, optimizer {self.optimizer}, "
+            distinct = "-" if t.distinct is None else f"{sum(t.distinct) / max(1, len(t.distinct)):.0f}"
+            rows.append((_short(n, 24), "bag" if t.kind == "EmbeddingBag" else "emb",
+                         f"{t.num_embeddings} x {t.embedding_dim}", place, _mib(t.memory), _mb(t.bytes_replicated),
+                         _mb(t.bytes_sharded), distinct, "-" if t.union is None else str(t.union), f"[{i}]"))
+            notes.append(textwrap.fill(f"[{i}] {n}: {t.reason}", 118, initial_indent="  ", subsequent_indent="      "))
+        widths = [max(len(str(r[i])) for r in rows) for i in range(len(head))]
+        title = (f"sparsecomm plan: {self.world_size} rank{'s' if self.world_size != 1 else ''}, "
+                 f"optimizer {self.optimizer}, "
                  f"{_mib(self.memory_per_rank())} MiB of tables per rank"
-                 + (f" (budget {_mib(self.memory_budget)} MiB)" if self.memory_budget is not None else "")
-                 + (f"; one collective ~ {self.latency_bytes:.3g} bytes" if self.latency_bytes else "")]
-        for r in rows:
-            lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) + "  " + str(r[-1]))
-        return "\n".join(lines)
+                 + (f" (budget {_mib(self.memory_budget)} MiB)" if self.memory_budget is not None else ""))
+        lines = textwrap.wrap(title, 120) + ["  " + "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                                            for r in rows]
+        lines.append("  (MB repl / shard: what a rank moves per step with the table replicated / sharded; "
+                     "ids/rank: distinct, in the sample)")
+        return "\n".join(lines + notes)
+
+
+def _short(name: str, width: int) -> str:
+    """``name`` cut to ``width`` columns, from the left (the end of a dotted name tells tables apart)."""
+    return name if len(name) <= width else "..." + name[-(width - 3):]
+
+
+def _mb(n: Optional[float]) -> str:
+    return "-" if n is None else f"{n / 1e6:.3g}"
 
 
 def embedding_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -250,6 +260,15 @@ def _sample_ids(model: nn.Module, modules: Sequence[Tuple[str, nn.Module]], samp
     return {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
 
 
+def _sample_problem(error: Exception, sample_batch: Any) -> str:
+    """What went wrong running the model on a sample batch, and how a sample batch is passed."""
+    how = ("a sample batch is passed to the model as one argument, model(sample_batch); for a forward that takes "
+           "several arguments, pass a function that calls the model: sample_batch=lambda m: m(a, b)")
+    if callable(sample_batch) and not isinstance(sample_batch, (torch.Tensor, nn.Module)):
+        how = "sample_batch is a function: it was called as sample_batch(model)"
+    return f"the model could not run on sample_batch ({type(error).__name__}: {error}); {how}"
+
+
 def _predict(t: TablePlan, m: nn.Module, n: int, distinct: Sequence[int], union: int, optimizer: str) -> None:
     row = t.embedding_dim * m.weight.element_size()
     idb = torch.empty(0, dtype=wire_index_dtype(t.num_embeddings)).element_size()
@@ -292,9 +311,18 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
     group = (process_group or dist.group.WORLD) if n > 1 else None
     modules = embedding_modules(model)
     tables = {name: _describe(name, m, n, opt) for name, m in modules}
-    sample = _sample_ids(model, modules, sample_batch) if sample_batch is not None and modules else None
+    sample, problem = None, None
+    if sample_batch is not None and modules:
+        try:
+            sample = _sample_ids(model, modules, sample_batch)
+        except Exception as e:  # told to every rank below: no rank is left waiting in the exchange
+            problem = _sample_problem(e, sample_batch)
     mine = [(t.name, t.kind, t.num_embeddings, t.embedding_dim, t.dtype, bool(t.blocker)) for t in tables.values()]
-    gathered = all_gather_objects((mine, sample), group)
+    gathered = all_gather_objects((mine, sample, problem), group)
+    for r, (_, _, their_problem) in enumerate(gathered):
+        if their_problem:
+            raise ValueError(f"sparsecomm.plan: rank {r}: {their_problem}")
+    gathered = [(theirs, their_sample) for theirs, their_sample, _ in gathered]
     for r, (theirs, _) in enumerate(gathered):
         if theirs != mine:
             raise ValueError(f"sparsecomm.plan: rank {r}'s model has embedding tables {theirs} but this rank's has "

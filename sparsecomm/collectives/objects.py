@@ -13,12 +13,26 @@ from typing import Any, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from sparsecomm.collectives.launchers import detect_launcher
+
 __all__ = ["world", "all_gather_objects", "barrier", "agree", "broadcast_int"]
 
 
 def world(group: Optional[dist.ProcessGroup] = None) -> Tuple[int, int]:
-    """``(rank, world size)`` in ``group``; ``(0, 1)`` when torch.distributed is not initialized."""
+    """``(rank, world size)`` in ``group``; ``(0, 1)`` when torch.distributed is not initialized.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized although a
+            launcher started this process as one of several ranks: each rank
+            would otherwise train alone, silently.
+    """
     if not dist.is_available() or not dist.is_initialized():
+        launcher, topo = detect_launcher()
+        if topo.world_size > 1:
+            raise RuntimeError(f"sparsecomm: {launcher} started this process as rank {topo.rank} of "
+                               f"{topo.world_size}, but torch.distributed is not initialized: call "
+                               f"sparsecomm.init_distributed() first, on every rank (alone, each rank would "
+                               f"train on its own)")
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 

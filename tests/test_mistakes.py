@@ -1,0 +1,58 @@
+"""A newcomer's mistakes explain themselves, on every rank, before anything changes; output fits a terminal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sparsecomm
+from distributed import run_ranks
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.user_id_embedding_table_of_a_long_name = nn.EmbeddingBag(200_000, 16, sparse=True)
+        self.item = nn.Embedding(1000, 16, sparse=True)
+
+    def forward(self, ids: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        return self.user_id_embedding_table_of_a_long_name(ids) + self.item(items)
+
+
+def test_plan_without_a_process_group_under_a_launcher_says_to_initialize(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2, but torch.distributed is not initialized: call "
+                                           r"sparsecomm.init_distributed\(\)"):
+        sparsecomm.plan(TwoInputs())
+
+
+def _sample_worker(rank, world):
+    ids, items = torch.randint(0, 200_000, (4, 3)), torch.randint(0, 1000, (4,))
+    try:  # rank 1 alone passes a tuple for a two-argument forward: every rank must hear of it
+        sparsecomm.plan(TwoInputs(), (ids, items) if rank == 1 else (lambda m: m(ids, items)))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_sample_batch_that_does_not_fit_forward_fails_on_every_rank_with_the_fix():
+    results = run_ranks(2, _sample_worker)
+    for r in range(2):
+        assert results[r].startswith("sparsecomm.plan: rank 1: the model could not run on sample_batch (TypeError")
+        assert "sample_batch=lambda m: m(a, b)" in results[r]
+
+
+def _plan_text_worker(rank, world):
+    ids, items = torch.randint(0, 200_000, (64, 8)), torch.randint(0, 1000, (64,))
+    return str(sparsecomm.plan(TwoInputs(), lambda m: m(ids, items)))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_printed_plan_fits_120_columns_and_numbers_its_reasons(world):
+    text = run_ranks(world, _plan_text_worker)[0]
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 120, text
+    assert any(line.lstrip().startswith("[1] user_id_embedding_table_of_a_long_name:") for line in lines), text
+    assert any(line.lstrip().startswith("[2] item:") for line in lines), text
