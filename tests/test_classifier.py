@@ -71,10 +71,10 @@ def test_bytes_model_without_a_link_probe_is_unchanged_at_one_rank_per_host():
     assert choose_method(4, 1_000_000, 64, 4, 4, rows_mean=10, union_rows=40).method is S.ALLGATHER
     assert choose_method(4, 1_000_000, 64, 4, 4, rows_mean=10_000, union_rows=20_000).method is S.PARTITIONED
     d = choose_method(4, 1_000_000, 64, 4, 4, rows_mean=10_000, union_rows=20_000, ranks_per_host=2)
-    assert d.method is S.PARTITIONED and "L=2" in d.reason
+    assert d.method is S.PARTITIONED and "(2 per host)" in d.reason
     # The reason names every priced method, in milliseconds with a probe.
     d = choose_method(4, 1_000_000, 64, 4, 4, 10, 40, link=LinkProbe(1e-3, 1e9, 1), fitted=False)
-    assert "ms/call" in d.reason and "allgather" in d.reason and "tree" in d.reason
+    assert "ms per sync" in d.reason and "allgather" in d.reason and "tree" in d.reason
 
 
 def test_probe_counts_host_link_bytes_of_its_all_to_all():

@@ -134,30 +134,36 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
     if world_size <= 1:
         return Decision(flat[0].method, "world size 1: nothing to exchange", est)
     fit = _fit(fitted)
-    density = union_rows / max(1, num_rows)
-    shape = (f"(N={world_size}, L={lws}, k={rows_mean:.0f}, U={union_rows}, V={num_rows}, "
-             f"union density {density:.2%})")
+    shape = _describe_workload(world_size, lws, rows_mean, union_rows, num_rows)
     fitted_paths = _fitted_paths(fit, allowed, world_size)
     if fitted_paths:
         w = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows)
         cost = {m: fit.seconds(p, w) for m, p in fitted_paths.items()}
         best = min(cost, key=lambda m: (cost[m], _order(m)))
-        reason = "fitted s/call: " + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items()) + " " + shape
+        reason = ("fitted seconds per sync: " + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items())
+                  + " (" + shape + ")")
         return Decision(best, reason, est)
     cost = method_costs(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows,
                         allowed, latency_bytes, link, lws, union_node, local_aggregation)
     best = min(cost, key=lambda m: (cost[m], _order(m)))
     if link is not None:
-        other = f"other collectives {link.other_latency_s * 1e3:.3g} ms, " if link.backend_latency_s is not None \
+        other = f", other collectives {link.other_latency_s * 1e3:.3g} ms" if link.backend_latency_s is not None \
             else ""
-        reason = (f"est. ms/call (all-to-all {link.latency_s * 1e3:.3g} ms, {other}"
-                  f"pair {link.hop_latency_s * 1e3:.3g} ms, "
-                  f"link {link.bytes_per_s / 1e6:.3g} MB/s): "
-                  + ", ".join(f"{m.value} {c * 1e3:.3g}" for m, c in cost.items()) + " " + shape)
+        reason = (f"estimated ms per sync: " + ", ".join(f"{m.value} {c * 1e3:.3g}" for m, c in cost.items())
+                  + f" (an all-to-all costs {link.latency_s * 1e3:.3g} ms{other}, an exchange between two ranks "
+                  f"{link.hop_latency_s * 1e3:.3g} ms; a host's link moves {link.bytes_per_s / 1e6:.0f} MB/s; "
+                  + shape + ")")
     else:
-        reason = ("est. bytes on the busiest link incl. latency: "
-                  + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items()) + " " + shape)
+        reason = (f"estimated bytes on the busiest link, a collective priced at {latency_bytes:.3g} bytes: "
+                  + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items()) + " (" + shape + ")")
     return Decision(best, reason, est)
+
+
+def _describe_workload(world_size: int, lws: int, rows_mean: float, union_rows: float, num_rows: int) -> str:
+    """The numbers a decision was made on, in words."""
+    per_host = f" ({lws} per host)" if lws > 1 else ""
+    return (f"{world_size} ranks{per_host}; {rows_mean:.0f} distinct rows per rank, {union_rows:.0f} over all "
+            f"ranks, of a {num_rows}-row table ({union_rows / max(1, num_rows):.1%})")
 
 
 def _order(method: SyncMethod) -> int:
