@@ -396,3 +396,16 @@ def test_bench_help_lists_every_benchmark_and_mistakes_say_why():
     for args, why in (([], "no benchmark named"), (["nope"], "unknown benchmark 'nope'")):
         bad = _bench(args, timeout=60)
         assert bad.returncode == 2 and why in bad.stderr and "kernels" in bad.stderr, _fail(bad)
+
+
+def test_verdict_names_the_fastest_of_ours_and_its_ratio_to_the_best_peer():
+    from sparsecomm.bench.harness import Row, Verdict
+
+    rows = [Row({"world": w, "method": m, "t": t}) for w, m, t in
+            [(2, "ours_a", 10.0), (2, "ours_b", 5.0), (2, "peer", 20.0), (2, "peer2", 15.0),
+             (4, "ours_a", 8.0), (4, "ours_b", 9.0), (4, "peer", 4.0), (8, "ours_a", 1.0)]]
+    line = Verdict("t", ("peer", "peer2"), ("world",)).line(rows)
+    # world 2: ours_b 5 vs best peer 15 -> 3.00x; world 4: ours_a 8 vs 4 -> 0.50x; world 8 has no peer.
+    assert line.startswith("verdict: fastest of ours: ") and "of 2 configurations" in line
+    assert "0.50-3.00x, median 1.75x" in line
+    assert "no configuration" in Verdict("t", ("nobody",), ("world",)).line(rows)

@@ -61,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm.bench import e2e_torchrec
-from sparsecomm.bench.harness import Row, progress
+from sparsecomm.bench.harness import Row, Verdict, progress
 from sparsecomm.bench.launch import add_launch_args, emulated_link, run_distributed
 from sparsecomm.bench.netns import parse_rate
 from sparsecomm.collectives import methods as sync_methods
@@ -333,4 +333,5 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     if a.warmup < 1:
         p.error("--warmup must be at least 1 (the checked step)")
     return run_distributed("e2e", argv, a, body, "end-to-end DLRM-like training (slowest rank's medians)",
+                           verdict=Verdict("step_ms", ("ddp", "torchrec_dmp"), ("world", "hosts", "rate", "optimizer")),
                            compact_cols=COMPACT_COLS, legend=LEGEND)

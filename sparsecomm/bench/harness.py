@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 __all__ = ["DTYPES", "Contender", "Row", "Stopwatch", "time_interleaved", "print_table", "write_outputs",
-           "parse_size", "format_size", "plot_rows", "progress", "check_outputs", "EXIT_USAGE"]
+           "parse_size", "format_size", "plot_rows", "progress", "check_outputs", "EXIT_USAGE", "Verdict"]
 
 EXIT_USAGE = 2  # a missing dependency or a bad option: nothing ran (argparse's own status)
 # Columns a compact table always keeps when a row has them: a failure or a skip is never hidden.
@@ -330,3 +330,43 @@ def plot_rows(rows: Sequence[Row], path: str, x: str, y: str, series: str, panel
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How to judge a benchmark's rows in one line: the fastest of ours against the best peer, per configuration.
+
+    Attributes:
+        time: the column to compare (lower is faster).
+        peers: methods of other systems (the rest are ours).
+        config: columns that identify one configuration (rows sharing them compete).
+        method: the column naming the contender.
+    """
+
+    time: str
+    peers: Sequence[str]
+    config: Sequence[str]
+    method: str = "method"
+
+    def line(self, rows: Sequence[Row]) -> str:
+        """``verdict: ...`` naming the most often fastest of ours and its speed-up over the best peer (range, median)."""
+        groups: Dict[tuple, List[Row]] = {}
+        for r in rows:
+            if isinstance(r.cols.get(self.time), (int, float)) and r.cols[self.time] > 0:
+                groups.setdefault(tuple(r.cols.get(c) for c in self.config), []).append(r)
+        wins: Dict[str, int] = {}
+        ratios: List[float] = []
+        for group in groups.values():
+            ours = [r for r in group if r.cols[self.method] not in self.peers]
+            peers = [r for r in group if r.cols[self.method] in self.peers]
+            if not ours or not peers:
+                continue
+            best = min(ours, key=lambda r: r.cols[self.time])
+            wins[best.cols[self.method]] = wins.get(best.cols[self.method], 0) + 1
+            ratios.append(min(r.cols[self.time] for r in peers) / best.cols[self.time])
+        if not ratios:
+            return "verdict: no configuration had both one of ours and a peer to compare"
+        top = max(wins, key=wins.get)
+        return (f"verdict: fastest of ours: {top} ({wins[top]} of {len(ratios)} configurations); against the best "
+                f"peer ({', '.join(self.peers)}): {min(ratios):.2f}-{max(ratios):.2f}x, median "
+                f"{statistics.median(ratios):.2f}x (> 1: ours faster)")

@@ -48,7 +48,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from sparsecomm.bench.harness import EXIT_USAGE, Row, check_outputs, print_table, progress, write_outputs
+from sparsecomm.bench.harness import (EXIT_USAGE, Row, Verdict, check_outputs, print_table, progress,
+                                      write_outputs)
 from sparsecomm.collectives.bootstrap import init_distributed, shutdown
 from sparsecomm.collectives.launchers import detect_launcher, free_port, launcher_variable
 
@@ -268,7 +269,8 @@ def _exit_status(rows: Sequence[Row]) -> int:
 def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
                     body: Callable[[argparse.Namespace], List[Row]], title: str,
                     plot: Optional[Callable[[List[Row], str], None]] = None,
-                    compact_cols: Optional[Sequence[str]] = None, legend: Optional[Dict[str, str]] = None) -> int:
+                    compact_cols: Optional[Sequence[str]] = None, legend: Optional[Dict[str, str]] = None,
+                    verdict: Optional[Verdict] = None) -> int:
     """Run a benchmark body on every rank, or spawn the ranks first (``--nproc``).
 
     Args:
@@ -282,6 +284,7 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
         compact_cols, legend: the default table's columns and their meaning
             (see :func:`~sparsecomm.bench.harness.print_table`); ``--wide``
             prints every column.
+        verdict: how to judge the rows in one line printed under the table.
 
     Returns:
         The exit status (see the module docstring).
@@ -298,6 +301,8 @@ def run_distributed(bench: str, argv: Sequence[str], args: argparse.Namespace,
 
     def table(rows: List[Row], heading: str) -> None:
         print_table(rows, heading, compact_cols=compact_cols, wide=getattr(args, "wide", False), legend=legend)
+        if verdict is not None and rows:
+            print(verdict.line(rows), flush=True)
 
     if args.hosts and args.nproc:
         print(f"{bench}: --hosts and --nproc exclude each other (--ranks-per-host sets the ranks of a host)",

@@ -77,7 +77,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from sparsecomm.bench.harness import Row, Stopwatch, progress
+from sparsecomm.bench.harness import Row, Stopwatch, Verdict, progress
 from sparsecomm.bench.launch import add_launch_args, run_distributed
 from sparsecomm.sharded import HotRowConfig, ShardedAdagrad, ShardedEmbeddingBag
 from sparsecomm.synthetic import zipf_ids
@@ -550,5 +550,6 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         a.methods = ",".join(m for m in METHODS if m != "torchrec")
         a.skipped["torchrec"] = TORCHREC_MISSING
     return run_distributed("sharded", argv, a, body, "sharded embedding step (median over ranks)",
-                           compact_cols=COMPACT_COLS, legend=LEGEND)
+                           compact_cols=COMPACT_COLS, legend=LEGEND,
+                           verdict=Verdict("step_ms", PEERS, ("world", "alpha", "bag", "table")))
 

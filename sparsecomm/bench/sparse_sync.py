@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm
-from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, parse_size, plot_rows, progress
+from sparsecomm.bench.harness import DTYPES, Row, Stopwatch, Verdict, parse_size, plot_rows, progress
 from sparsecomm.bench.launch import add_launch_args, gather_floats, run_distributed
 from sparsecomm.collectives import methods as sync_methods
 from sparsecomm.collectives.exchange import all_gather_single, all_to_all, wire_index_dtype
@@ -506,4 +506,5 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     if a.warmup < 1 or a.iters < 1 or a.dense_iters < 0:
         p.error("--warmup and --iters must be >= 1, --dense-iters >= 0")
     return run_distributed("sparse_sync", argv, a, body, "sparse gradient sync (time: median over rounds; "
-                           "min/max: per-rank medians)", plot, compact_cols=COMPACT_COLS, legend=LEGEND)
+                           "min/max: per-rank medians)", plot, compact_cols=COMPACT_COLS, legend=LEGEND,
+                           verdict=Verdict("time_ms", PEERS, ("world", "dist", "density")))
