@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "binding.h"
 #include "counting_sort.h"
 #include "ops.h"
 #include "segment_reduce.h"
@@ -28,6 +29,22 @@ constexpr int64_t kSlotMapCacheSpan = int64_t{1} << 21;
 
 }  // namespace
 
+// Ids over a narrow range, grouped without sorting: a dense map over [min, max] marks the ids present,
+// and its prefix sum gives each id its output slot (ids ascending). Coalesce then streams the values in
+// input order, adding each row into its slot: sequential reads of the rows instead of the random reads of
+// a sorted order, with the same sums (each slot's rows in input order, from the first).
+struct SlotMap {
+  std::vector<int32_t> slot;       // output slot of each input row
+  std::vector<int64_t> unique_id;  // id of each slot, ascending
+  int64_t num_unique() const { return static_cast<int64_t>(unique_id.size()); }
+};
+
+// The widest id range (max - min + 1) per input row that the dense map takes: its cost grows with the
+// range, the radix sort's with the rows.
+constexpr int64_t kSlotMapSpanPerRow = 4;
+
+// Checks every id lies in [0, num_rows) (as group_rows). If the ids' range is at most
+// kSlotMapSpanPerRow * n (and n < 2^31), fills `map` and returns true; else returns false, `map` untouched.
 bool build_slot_map(const void* ids, IndexType it, int64_t n, int64_t num_rows, int threads, SlotMap& map) {
   threads = clamp_threads(threads);
   const IdRange r = check_ids(ids, it, n, num_rows, threads, "ids");
@@ -151,6 +168,8 @@ void sum_into_slots(const SlotMap& map, const void* values, int64_t d, void* out
 
 }  // namespace
 
+// coalesce_apply over a slot map: unique ids to out_ids, each slot's row sum to out_values (the same
+// values, bitwise, as over the groups of the same ids, for any thread count).
 void coalesce_slots_apply(const SlotMap& map, const void* values, ValueType vt, int64_t d, void* out_ids,
                           IndexType it, void* out_values, int threads) {
   const int64_t u = map.num_unique();
@@ -159,6 +178,7 @@ void coalesce_slots_apply(const SlotMap& map, const void* values, ValueType vt, 
   SPARSECOMM_DISPATCH_VALUE(vt, [&] { sum_into_slots<V>(map, values, d, out_values, threads); });
 }
 
+// Writes the sorted unique ids of `groups` to out_ids and their row sums to out_values.
 void coalesce_apply(const RowGroups& groups, const void* values, ValueType vt, int64_t d, void* out_ids,
                     IndexType it, void* out_values, int threads) {
   const int64_t u = groups.num_groups();
@@ -168,6 +188,9 @@ void coalesce_apply(const RowGroups& groups, const void* values, ValueType vt, i
   SPARSECOMM_DISPATCH_VALUE(vt, [&] { reduce_groups<V>(groups, values, d, out_values, false, false, threads); });
 }
 
+// coalesce_apply, then rows grouped by owner: counts[o] rows per owner, owner
+// order, ascending ids inside an owner; exactly partition_rows(coalesce(...)),
+// with the sums written once, straight to their partitioned position.
 void coalesce_partition_apply(const RowGroups& groups, const void* values, ValueType vt, int64_t d,
                               const OwnerMap& map, int64_t* counts, void* out_ids, IndexType it, void* out_values,
                               int threads) {
@@ -209,6 +232,12 @@ void check_segment(int64_t s, int64_t offset, int64_t bytes, int64_t buffer_byte
 
 }  // namespace
 
+// Rows scattered over `nseg` segments of one byte buffer (a receive buffer:
+// each peer's ids and value rows). Segment s holds counts[s] ids of `id_bytes`
+// (2, 4 or 8) at byte id_offsets[s] and their value rows of `row_bytes` at
+// value_offsets[s]. Checks every segment lies inside the buffer and is aligned
+// for its type, gathers the ids (checked in [0, num_rows)) and groups them;
+// `rows` receives the address of every value row, in segment order.
 RowGroups group_segment_rows(const void* buffer, int64_t buffer_bytes, int64_t nseg, const int64_t* counts,
                              const int64_t* id_offsets, const int64_t* value_offsets, int id_bytes,
                              size_t row_bytes, size_t value_align, int64_t num_rows, int threads,
@@ -247,6 +276,8 @@ RowGroups group_segment_rows(const void* buffer, int64_t buffer_bytes, int64_t n
   return group_rows(ids.data(), IndexType::kInt64, n, num_rows, threads);
 }
 
+// Sums of each group of group_segment_rows, as coalesce_apply; out_acc: write
+// the accumulator type (float32 for fp16/bf16) instead of the value type.
 void coalesce_segments_apply(const RowGroups& groups, const std::vector<const void*>& rows, ValueType vt,
                              int64_t d, void* out_ids, IndexType it, void* out_values, bool out_acc, int threads) {
   const int64_t u = groups.num_groups();
@@ -266,6 +297,105 @@ void coalesce_segments_apply(const RowGroups& groups, const std::vector<const vo
       reduce_groups_with<V, S>(groups, row_at, d, [&](int64_t g) { return out + g * d; }, false, threads);
     }
   });
+}
+
+// ---- binding ----
+
+namespace {
+
+// What Python holds between a coalesce's two calls: the grouping (plan), then the sums (apply), so that the
+// outputs are allocated by torch once the unique count is known.
+struct CoalescePlan {
+  RowGroups groups;               // ids grouped by a radix sort, unless `dense`
+  SlotMap slots;                  // ids grouped by a dense slot map (narrow ranges), when `dense`
+  bool dense = false;
+  IndexType index_type;
+  std::vector<const void*> rows;  // value row addresses (plans over a receive buffer's segments)
+  int64_t num_unique() const { return dense ? slots.num_unique() : groups.num_groups(); }
+};
+
+}  // namespace
+
+SPARSECOMM_BIND(coalesce) {
+  py::class_<CoalescePlan>(m, "CoalescePlan")
+      .def_property_readonly("num_unique", &CoalescePlan::num_unique)
+      .def_property_readonly("dense", [](const CoalescePlan& p) { return p.dense; });
+
+  m.def("coalesce_plan",
+        [](uintptr_t ids, int index_code, int64_t n, int64_t num_rows, int threads, bool allow_dense) {
+          auto plan = std::make_unique<CoalescePlan>();
+          plan->index_type = to_index_type(index_code);
+          py::gil_scoped_release release;
+          plan->dense = allow_dense && build_slot_map(ptr(ids), plan->index_type, n, num_rows, threads, plan->slots);
+          if (!plan->dense) plan->groups = group_rows(ptr(ids), plan->index_type, n, num_rows, threads);
+          return plan;
+        },
+        py::arg("ids"), py::arg("index_code"), py::arg("n"), py::arg("num_rows"), py::arg("threads"),
+        py::arg("allow_dense") = false,
+        "Group equal ids: a dense slot map over a narrow id range (if allowed), else a stable radix sort.");
+
+  m.def("coalesce_apply",
+        [](const CoalescePlan& plan, uintptr_t values, int value_code, int64_t d, uintptr_t out_ids,
+           uintptr_t out_values, int threads) {
+          const ValueType vt = to_value_type(value_code);
+          py::gil_scoped_release release;
+          if (plan.dense)
+            coalesce_slots_apply(plan.slots, ptr(values), vt, d, ptr(out_ids), plan.index_type, ptr(out_values),
+                                 threads);
+          else
+            coalesce_apply(plan.groups, ptr(values), vt, d, ptr(out_ids), plan.index_type, ptr(out_values),
+                           threads);
+        },
+        py::arg("plan"), py::arg("values"), py::arg("value_code"), py::arg("d"), py::arg("out_ids"),
+        py::arg("out_values"), py::arg("threads"),
+        "Write the plan's unique ids and each group's row sum.");
+
+  m.def("coalesce_partition_apply",
+        [](const CoalescePlan& plan, uintptr_t values, int value_code, int64_t d, int scheme, int64_t num_owners,
+           int64_t range_size, int64_t stride, uintptr_t counts, uintptr_t out_ids, uintptr_t out_values,
+           int threads) {
+          const ValueType vt = to_value_type(value_code);
+          const OwnerMap map{scheme, num_owners, range_size, stride};
+          if (plan.dense) throw std::invalid_argument("sparsecomm: coalesce_partition_apply needs a sorted plan");
+          py::gil_scoped_release release;
+          coalesce_partition_apply(plan.groups, ptr(values), vt, d, map, ptr<int64_t>(counts), ptr(out_ids),
+                                   plan.index_type, ptr(out_values), threads);
+        },
+        py::arg("plan"), py::arg("values"), py::arg("value_code"), py::arg("d"), py::arg("scheme"),
+        py::arg("num_owners"), py::arg("range_size"), py::arg("stride"), py::arg("counts"), py::arg("out_ids"),
+        py::arg("out_values"), py::arg("threads"),
+        "Write the plan's unique ids and sums grouped by owner (owner order, ascending ids inside).");
+
+  m.def("coalesce_segments_plan",
+        [](uintptr_t buffer, int64_t buffer_bytes, int64_t nseg, uintptr_t counts, uintptr_t id_offsets,
+           uintptr_t value_offsets, int id_bytes, size_t row_bytes, size_t value_align, int64_t num_rows,
+           int out_index_code, int threads) {
+          auto plan = std::make_unique<CoalescePlan>();
+          plan->index_type = to_index_type(out_index_code);
+          py::gil_scoped_release release;
+          plan->groups = group_segment_rows(ptr(buffer), buffer_bytes, nseg, ptr<const int64_t>(counts),
+                                            ptr<const int64_t>(id_offsets), ptr<const int64_t>(value_offsets),
+                                            id_bytes, row_bytes, value_align, num_rows, threads, plan->rows);
+          return plan;
+        },
+        py::arg("buffer"), py::arg("buffer_bytes"), py::arg("nseg"), py::arg("counts"), py::arg("id_offsets"),
+        py::arg("value_offsets"), py::arg("id_bytes"), py::arg("row_bytes"), py::arg("value_align"),
+        py::arg("num_rows"), py::arg("out_index_code"), py::arg("threads"),
+        "Group the ids of rows spread over segments of one byte buffer.");
+
+  m.def("coalesce_segments_apply",
+        [](const CoalescePlan& plan, int value_code, int64_t d, uintptr_t out_ids, uintptr_t out_values, bool out_acc,
+           int threads) {
+          const ValueType vt = to_value_type(value_code);
+          if (static_cast<int64_t>(plan.rows.size()) != static_cast<int64_t>(plan.groups.order.size()))
+            throw std::invalid_argument("sparsecomm: not a plan over buffer segments");
+          py::gil_scoped_release release;
+          coalesce_segments_apply(plan.groups, plan.rows, vt, d, ptr(out_ids), plan.index_type, ptr(out_values),
+                                  out_acc, threads);
+        },
+        py::arg("plan"), py::arg("value_code"), py::arg("d"), py::arg("out_ids"), py::arg("out_values"),
+        py::arg("out_acc"), py::arg("threads"),
+        "Write the unique ids and row sums of a segment plan (out_acc: in the accumulator type).");
 }
 
 }  // namespace sparsecomm

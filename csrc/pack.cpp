@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 
+#include "binding.h"
 #include "ops.h"
 
 namespace sparsecomm {
@@ -24,6 +25,13 @@ void pack_ids_as(const void* src, size_t src_bytes, const void* index, IndexType
 
 }  // namespace
 
+// Copies rows into a byte buffer at given places (packing a send buffer).
+// Segment s (segments[3s .. 3s+2] = start, count, byte offset) copies source
+// rows index[start .. start+count) (rows start.. when index is null) to
+// dst + offset, back to back. Rows are `src_row_bytes` of raw bytes, unless
+// `wire_id_bytes` > 0: then each source row is one id of src_row_bytes (4 or
+// 8) written as a signed integer of wire_id_bytes (2, 4 or 8), which it must
+// fit. Every index, segment and id is checked before anything is written.
 void pack_rows(const void* src, int64_t src_rows, size_t src_row_bytes, const void* index, IndexType it,
                int64_t index_len, int64_t nseg, const int64_t* segments, void* dst, int64_t dst_bytes,
                int wire_id_bytes, int threads) {
@@ -69,6 +77,23 @@ void pack_rows(const void* src, int64_t src_rows, size_t src_row_bytes, const vo
       }
     }
   }
+}
+
+// ---- binding ----
+
+SPARSECOMM_BIND(pack) {
+  m.def("pack_rows",
+        [](uintptr_t src, int64_t src_rows, size_t src_row_bytes, uintptr_t index, int index_code, int64_t index_len,
+           int64_t nseg, uintptr_t segments, uintptr_t dst, int64_t dst_bytes, int wire_id_bytes, int threads) {
+          const IndexType it = to_index_type(index_code);
+          py::gil_scoped_release release;
+          pack_rows(ptr(src), src_rows, src_row_bytes, ptr(index), it, index_len, nseg, ptr<const int64_t>(segments),
+                    ptr(dst), dst_bytes, wire_id_bytes, threads);
+        },
+        py::arg("src"), py::arg("src_rows"), py::arg("src_row_bytes"), py::arg("index"), py::arg("index_code"),
+        py::arg("index_len"), py::arg("nseg"), py::arg("segments"), py::arg("dst"), py::arg("dst_bytes"),
+        py::arg("wire_id_bytes"), py::arg("threads"),
+        "Copy (indexed) rows into segments of a byte buffer; index may be 0 (rows in order).");
 }
 
 }  // namespace sparsecomm

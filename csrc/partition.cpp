@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "counting_sort.h"
+#include "binding.h"
 #include "ops.h"
 
 namespace sparsecomm {
@@ -36,6 +37,34 @@ void partition_rows(const void* ids, IndexType it, int64_t n, int64_t num_rows, 
         if (perm) perm[dst] = i;
       },
       counts);
+}
+
+// ---- binding ----
+
+SPARSECOMM_BIND(partition) {
+  m.def("partition_rows",
+        [](uintptr_t ids, int index_code, int64_t n, int64_t num_rows, uintptr_t values, size_t row_bytes, int scheme,
+           int64_t num_owners, int64_t range_size, int64_t stride, uintptr_t counts, uintptr_t out_ids,
+           uintptr_t out_values, uintptr_t perm, int threads) {
+          const IndexType it = to_index_type(index_code);
+          const OwnerMap map{scheme, num_owners, range_size, stride};
+          py::gil_scoped_release release;
+          partition_rows(ptr(ids), it, n, num_rows, ptr(values), row_bytes, map, ptr<int64_t>(counts), ptr(out_ids),
+                         ptr(out_values), ptr<int64_t>(perm), threads);
+        },
+        py::arg("ids"), py::arg("index_code"), py::arg("n"), py::arg("num_rows"), py::arg("values"),
+        py::arg("row_bytes"), py::arg("scheme"), py::arg("num_owners"), py::arg("range_size"), py::arg("stride"), py::arg("counts"),
+        py::arg("out_ids"), py::arg("out_values"), py::arg("perm"), py::arg("threads"),
+        "Stable counting sort of rows by owner; values/perm may be 0 (skipped).");
+
+  m.def("row_owner",
+        [](int64_t id, int scheme, int64_t num_owners, int64_t range_size, int64_t stride) {
+          const OwnerMap map{scheme, num_owners, range_size, stride};
+          check_owner_map(map);
+          if (id < 0) throw std::invalid_argument("sparsecomm: ids must be non-negative");
+          return row_owner(id, map);
+        },
+        "Owner of one id (for tests and diagnostics).");
 }
 
 }  // namespace sparsecomm

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "binding.h"
 #include "counting_sort.h"
 #include "ops.h"
 #include "row_groups.h"
@@ -187,6 +188,8 @@ void counts_to_starts(int64_t* counts, int64_t size) {
 
 }  // namespace
 
+// Stable counting sort of positions by index (in [0, size)): order (n) = argsort(index, stable=True),
+// offsets (size) = where each group starts (cumsum(bincount) - bincount).
 void group_by(const int64_t* index, int64_t n, int64_t size, int64_t* order, int64_t* offsets, int threads) {
   check_length(n, "index");
   if (size < 0) throw std::invalid_argument("sparsecomm: group_by: size must be >= 0, got " + std::to_string(size));
@@ -201,6 +204,10 @@ void group_by(const int64_t* index, int64_t n, int64_t size, int64_t* order, int
   counts_to_starts(offsets, size);
 }
 
+// The owner's backward plan of pooled lookups: occurrence i (bag b(i): lengths are consecutive runs of the
+// n occurrences) points at requested id positions[i] (in [0, r)), whose group is key[positions[i]] (in
+// [0, size)). order (n) = argsort(key[positions], stable=True), rows (n) = b(order), offsets (size) = where
+// each group starts: group g's gradient is the sum of the bag gradients rows[offsets[g]:...].
 void bag_groups(const int64_t* key, int64_t r, const int64_t* positions, int64_t n, const int64_t* lengths,
                 int64_t num_bags, int64_t size, int64_t* order, int64_t* rows, int64_t* offsets, int threads) {
   check_length(r, "key");
@@ -236,6 +243,8 @@ void bag_groups(const int64_t* key, int64_t r, const int64_t* positions, int64_t
   counts_to_starts(offsets, size);
 }
 
+// torch.unique(ids, sorted=True, return_inverse=True): the distinct ids ascending, and each id's index among
+// them (inverse, n). num_rows < 0: no upper bound.
 void unique_inverse(const int64_t* ids, int64_t n, int64_t num_rows, std::vector<int64_t>& unique,
                     int64_t* inverse, int threads) {
   check_length(n, "ids");
@@ -244,6 +253,17 @@ void unique_inverse(const int64_t* ids, int64_t n, int64_t num_rows, std::vector
   distinct_with_inverse(ids, n, r, unique, inverse, threads);
 }
 
+// The data-sized outputs of pooled_request.
+struct PooledLists {
+  std::vector<int64_t> unique;    // per owner its distinct ids ascending, owners in order
+  std::vector<int64_t> bag_rows;  // the bag of each partial bag, grouped by owner
+  std::vector<int32_t> lengths;   // occurrences per partial bag
+};
+
+// The requester side of owner pooling. Occurrences sorted stably by owner (order, occ_counts: partition_rows'
+// perm and counts); per owner its distinct ids (out.unique, unique_counts) and each occurrence's index among
+// them (positions, in `order` order); the runs of one bag inside an owner's occurrences (out.bag_rows,
+// out.lengths, bag_counts per owner). bag_of must be non-decreasing in [0, num_bags) (num_bags < 0: no bound).
 void pooled_request(const int64_t* ids, const int64_t* bag_of, int64_t n, int64_t num_rows, int64_t num_bags,
                     const OwnerMap& map, int64_t* unique_counts, int64_t* order, int64_t* occ_counts,
                     int32_t* positions, int64_t* bag_counts, PooledLists& out, int threads) {
@@ -375,6 +395,71 @@ void pooled_request(const int64_t* ids, const int64_t* bag_of, int64_t n, int64_
   out.bag_rows.assign(rows, rows + runs);
   out.lengths.resize(static_cast<size_t>(runs));
   for (int64_t k = 0; k < runs; ++k) out.lengths[k] = starts[k + 1] - starts[k];
+}
+
+// ---- binding ----
+
+SPARSECOMM_BIND(pooled) {
+  py::class_<PooledLists>(m, "PooledLists")
+      .def_property_readonly("num_unique", [](const PooledLists& p) { return static_cast<int64_t>(p.unique.size()); })
+      .def_property_readonly("num_bags", [](const PooledLists& p) { return static_cast<int64_t>(p.bag_rows.size()); })
+      .def("write",
+           [](const PooledLists& p, uintptr_t unique, uintptr_t bag_rows, uintptr_t lengths) {
+             // Copies the lists into tensors sized from num_unique / num_bags; 0 skips one.
+             if (unique && !p.unique.empty())
+               std::memcpy(ptr(unique), p.unique.data(), p.unique.size() * sizeof(int64_t));
+             if (bag_rows && !p.bag_rows.empty())
+               std::memcpy(ptr(bag_rows), p.bag_rows.data(), p.bag_rows.size() * sizeof(int64_t));
+             if (lengths && !p.lengths.empty())
+               std::memcpy(ptr(lengths), p.lengths.data(), p.lengths.size() * sizeof(int32_t));
+           },
+           py::arg("unique"), py::arg("bag_rows"), py::arg("lengths"));
+
+  m.def("group_by",
+        [](uintptr_t index, int64_t n, int64_t size, uintptr_t order, uintptr_t offsets, int threads) {
+          py::gil_scoped_release release;
+          group_by(ptr<const int64_t>(index), n, size, ptr<int64_t>(order), ptr<int64_t>(offsets), threads);
+        },
+        py::arg("index"), py::arg("n"), py::arg("size"), py::arg("order"), py::arg("offsets"), py::arg("threads"),
+        "Stable counting sort of int64 positions by index in [0, size): order (n) and group starts (size).");
+
+  m.def("bag_groups",
+        [](uintptr_t key, int64_t r, uintptr_t positions, int64_t n, uintptr_t lengths, int64_t num_bags,
+           int64_t size, uintptr_t order, uintptr_t rows, uintptr_t offsets, int threads) {
+          py::gil_scoped_release release;
+          bag_groups(ptr<const int64_t>(key), r, ptr<const int64_t>(positions), n, ptr<const int64_t>(lengths),
+                     num_bags, size, ptr<int64_t>(order), ptr<int64_t>(rows), ptr<int64_t>(offsets), threads);
+        },
+        py::arg("key"), py::arg("r"), py::arg("positions"), py::arg("n"), py::arg("lengths"), py::arg("num_bags"),
+        py::arg("size"), py::arg("order"), py::arg("rows"), py::arg("offsets"), py::arg("threads"),
+        "Owner-side backward plan of pooled lookups: occurrences grouped by key[positions] (stable), their bags.");
+
+  m.def("unique_inverse",
+        [](uintptr_t ids, int64_t n, int64_t num_rows, uintptr_t inverse, int threads) {
+          auto lists = std::make_unique<PooledLists>();
+          py::gil_scoped_release release;
+          unique_inverse(ptr<const int64_t>(ids), n, num_rows, lists->unique, ptr<int64_t>(inverse), threads);
+          return lists;
+        },
+        py::arg("ids"), py::arg("n"), py::arg("num_rows"), py::arg("inverse"), py::arg("threads"),
+        "Distinct int64 ids ascending (kept in the returned lists' unique) and each id's index among them.");
+
+  m.def("pooled_request",
+        [](uintptr_t ids, uintptr_t bag_of, int64_t n, int64_t num_rows, int64_t num_bags, int scheme,
+           int64_t num_owners, int64_t range_size, int64_t stride, uintptr_t unique_counts, uintptr_t order,
+           uintptr_t occ_counts, uintptr_t positions, uintptr_t bag_counts, int threads) {
+          const OwnerMap map{scheme, num_owners, range_size, stride};
+          auto lists = std::make_unique<PooledLists>();
+          py::gil_scoped_release release;
+          pooled_request(ptr<const int64_t>(ids), ptr<const int64_t>(bag_of), n, num_rows, num_bags, map,
+                         ptr<int64_t>(unique_counts), ptr<int64_t>(order), ptr<int64_t>(occ_counts),
+                         ptr<int32_t>(positions), ptr<int64_t>(bag_counts), *lists, threads);
+          return lists;
+        },
+        py::arg("ids"), py::arg("bag_of"), py::arg("n"), py::arg("num_rows"), py::arg("num_bags"), py::arg("scheme"),
+        py::arg("num_owners"), py::arg("range_size"), py::arg("stride"), py::arg("unique_counts"), py::arg("order"),
+        py::arg("occ_counts"), py::arg("positions"), py::arg("bag_counts"), py::arg("threads"),
+        "Owner pooling's request: fixed-size outputs written, the distinct ids and partial bags returned.");
 }
 
 }  // namespace sparsecomm

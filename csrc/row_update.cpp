@@ -12,6 +12,7 @@
 // vectorized mean and (g / std) * -lr in the last bit.
 #include <cmath>
 
+#include "binding.h"
 #include "ops.h"
 
 namespace sparsecomm {
@@ -56,6 +57,8 @@ void rowwise_adagrad_rows(T* weight, T* acc, int64_t d, const int64_t* slots, in
 
 }  // namespace
 
+// Row-wise Adagrad on k distinct rows (slots strictly increasing, checked with their bounds before any
+// write): acc[s] += mean(g^2); weight[s] += g * (-lr / (sqrt(acc[s]) + eps)). float32/float64.
 void rowwise_adagrad(void* weight, void* acc, int64_t num_rows, ValueType vt, int64_t d, const int64_t* slots,
                      int64_t k, const void* grad, double lr, double eps, int threads) {
   if (vt != ValueType::kFloat32 && vt != ValueType::kFloat64)
@@ -78,6 +81,21 @@ void rowwise_adagrad(void* weight, void* acc, int64_t num_rows, ValueType vt, in
   else
     rowwise_adagrad_rows(static_cast<double*>(weight), static_cast<double*>(acc), d, slots, k,
                          static_cast<const double*>(grad), lr, eps, threads);
+}
+
+// ---- binding ----
+
+SPARSECOMM_BIND(row_update) {
+  m.def("rowwise_adagrad",
+        [](uintptr_t weight, uintptr_t acc, int64_t num_rows, int value_code, int64_t d, uintptr_t slots, int64_t k,
+           uintptr_t grad, double lr, double eps, int threads) {
+          const ValueType vt = to_value_type(value_code);
+          py::gil_scoped_release release;
+          rowwise_adagrad(ptr(weight), ptr(acc), num_rows, vt, d, ptr<const int64_t>(slots), k, ptr(grad), lr, eps,
+                          threads);
+        },
+        py::arg("weight"), py::arg("acc"), py::arg("num_rows"), py::arg("value_code"), py::arg("d"),
+        py::arg("slots"), py::arg("k"), py::arg("grad"), py::arg("lr"), py::arg("eps"), py::arg("threads"));
 }
 
 }  // namespace sparsecomm

@@ -7,6 +7,7 @@
 //    ids once, applying its own (no sort: values are read in input order).
 //  - float16/bfloat16: rows are grouped by id first so each row's updates are
 //    summed in float32 and rounded once, not once per update.
+#include "binding.h"
 #include "ops.h"
 #include "segment_reduce.h"
 
@@ -59,6 +60,21 @@ void scatter_add_rows(void* table, int64_t num_rows, ValueType vt, int64_t d, co
   const RowGroups groups = group_rows(ids, it, n, num_rows, threads);
   if (d == 0 || n == 0) return;
   SPARSECOMM_DISPATCH_VALUE(vt, [&] { reduce_groups<V>(groups, values, d, table, true, true, threads); });
+}
+
+// ---- binding ----
+
+SPARSECOMM_BIND(scatter_add) {
+  m.def("scatter_add_rows",
+        [](uintptr_t table, int64_t num_rows, int value_code, int64_t d, uintptr_t ids, int index_code,
+           int64_t n, uintptr_t values, int threads) {
+          const ValueType vt = to_value_type(value_code);
+          const IndexType it = to_index_type(index_code);
+          py::gil_scoped_release release;
+          scatter_add_rows(ptr(table), num_rows, vt, d, ptr(ids), it, n, ptr(values), threads);
+        },
+        py::arg("table"), py::arg("num_rows"), py::arg("value_code"), py::arg("d"), py::arg("ids"),
+        py::arg("index_code"), py::arg("n"), py::arg("values"), py::arg("threads"));
 }
 
 }  // namespace sparsecomm

@@ -1,6 +1,8 @@
 // See shm_alltoall.h.
 #include "shm_alltoall.h"
 
+#include "binding.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -423,5 +425,40 @@ void ShmAllToAll::run_segments(const std::vector<std::vector<Segment>>&, const s
 bool ShmAllToAll::failed() const { return true; }
 
 #endif
+
+// ---- binding ----
+
+SPARSECOMM_BIND(shm_alltoall) {
+  py::class_<ShmAllToAll>(m, "ShmAllToAll")
+      .def(py::init<const std::string&, bool, int, int, uint64_t>(), py::arg("path"), py::arg("create"),
+           py::arg("rank"), py::arg("world"), py::arg("slot_bytes"),
+           "Create (rank 0) or open a host-local all-to-all segment (see sparsecomm/collectives/shm.py).")
+      .def("run",
+           [](ShmAllToAll& s, uintptr_t send, const std::vector<int64_t>& send_bytes, uintptr_t recv,
+              const std::vector<int64_t>& recv_bytes, double timeout_seconds) {
+             py::gil_scoped_release release;
+             s.run(ptr<const uint8_t>(send), send_bytes, ptr<uint8_t>(recv), recv_bytes, timeout_seconds);
+           },
+           py::arg("send"), py::arg("send_bytes"), py::arg("recv"), py::arg("recv_bytes"),
+           py::arg("timeout_seconds"))
+      .def("run_segments",
+           [](ShmAllToAll& s, const std::vector<std::vector<std::pair<uint64_t, int64_t>>>& send,
+              const std::vector<std::vector<std::pair<uint64_t, int64_t>>>& recv, double timeout_seconds) {
+             auto convert = [](const std::vector<std::vector<std::pair<uint64_t, int64_t>>>& lists) {
+               std::vector<std::vector<Segment>> out(lists.size());
+               for (size_t j = 0; j < lists.size(); ++j)
+                 for (const auto& [address, bytes] : lists[j]) out[j].push_back({address, bytes});
+               return out;
+             };
+             const auto s_segs = convert(send), r_segs = convert(recv);
+             py::gil_scoped_release release;
+             s.run_segments(s_segs, r_segs, timeout_seconds);
+           },
+           py::arg("send"), py::arg("recv"), py::arg("timeout_seconds"),
+           "Per peer, the (address, bytes) pieces of the message it gets / that lands here, in order.")
+      .def_property_readonly("failed", &ShmAllToAll::failed)
+      .def_property_readonly("bytes", &ShmAllToAll::bytes)
+      .def_property_readonly("slot_bytes", &ShmAllToAll::slot_bytes);
+}
 
 }  // namespace sparsecomm

@@ -1,4 +1,4 @@
-"""CUDA implementations of the row kernels, compiled at run time through CuPy.
+"""The CUDA side's machinery: the kernel sources, the kernel table, and launching through CuPy.
 
 The kernels live as CUDA C++ source in ``csrc/cuda/*.cu``, with the owner map
 they share with the C++ kernels in ``csrc/owner_map.h`` (both installed into the
@@ -8,14 +8,12 @@ without a CUDA toolkit. Every launch goes on torch's current stream, and every
 output is allocated by torch, so the ops compose with the rest of a PyTorch
 program like native ones.
 
-Sorting and run-finding use torch (``torch.sort(stable=True)``,
-``torch.unique_consecutive``, ``torch.cumsum``); the kernels do the fused
-parts: segment sums, owner mapping with its histogram, and row copies.
-
-This module is the CUDA half of :mod:`sparsecomm.ops`, which validates every
-input (contiguous, one device, supported dtypes, ids in range) before calling
-in; the functions here do not repeat those checks. CuPy is imported on the
-first call, never at import time, so CPU-only installs do not need it.
+This module names no op. The table of kernels (:data:`KERNELS`, file -> entry
+points) is read from the sources themselves, so a new ``.cu`` file needs no
+edit here; each op's launch (its kernel's name, grid size and arguments) lives
+with its operator in :mod:`sparsecomm._library`, which validates every input
+before calling in. CuPy is imported on the first launch, never at import time,
+so CPU-only installs do not need it.
 """
 
 from __future__ import annotations
@@ -24,67 +22,52 @@ import functools
 import re
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 import numpy
 import torch
 from torch import Tensor
 
-from sparsecomm import ownership
-from sparsecomm.types import PartitionScheme
-
 __all__ = [
-    "coalesce_rows",
-    "partition_rows",
-    "gather_rows",
-    "scatter_add_rows",
+    "KERNELS",
+    "NVRTC_OPTIONS",
+    "BLOCK",
+    "VALUE_SUFFIX",
+    "ID_SUFFIX",
     "find_source_dir",
     "include_dirs",
     "load_source",
-    "KERNELS",
-    "NVRTC_OPTIONS",
+    "kernel_declarations",
+    "kernel_table",
+    "grid_size",
+    "launch",
+    "ptr",
+    "i64",
+    "i32",
 ]
 
-# ---- kernel catalogue -----------------------------------------------------------
 # The .cu files generate one extern "C" entry point per dtype combination with
-# SPARSECOMM_ macros; these tables name them. tests/test_cuda_compile.py checks
-# that the compiled PTX defines exactly these names, so the two cannot drift.
-
-_VALUE_SUFFIX = {
+# SPARSECOMM_DEFINE_* macros, named sparsecomm_<op>_<suffixes>; these are the
+# suffixes of the element types.
+VALUE_SUFFIX = {
     torch.float32: "f32",
     torch.float64: "f64",
     torch.float16: "f16",
     torch.bfloat16: "bf16",
 }
-_ID_SUFFIX = {torch.int32: "i32", torch.int64: "i64"}
-# gather copies bytes, not values: kernels are typed by copy unit (bytes).
-_UNIT_SUFFIX = {16: "u128", 8: "u64", 4: "u32", 2: "u16", 1: "u8"}
+"""The kernel name suffix of each value dtype."""
 
-KERNELS: Dict[str, Tuple[str, ...]] = {
-    "coalesce.cu": tuple(f"sparsecomm_coalesce_rows_{v}" for v in _VALUE_SUFFIX.values()),
-    "scatter_add.cu": tuple(
-        f"sparsecomm_scatter_add_rows_{v}_{i}"
-        for v in _VALUE_SUFFIX.values()
-        for i in _ID_SUFFIX.values()
-    ),
-    "partition.cu": tuple(f"sparsecomm_partition_owners_{i}" for i in _ID_SUFFIX.values()),
-    "gather.cu": tuple(
-        f"sparsecomm_gather_rows_{u}_{i}"
-        for u in _UNIT_SUFFIX.values()
-        for i in _ID_SUFFIX.values()
-    ),
-}
-"""Every kernel the loader may launch, by the source file that defines it."""
+ID_SUFFIX = {torch.int32: "i32", torch.int64: "i64"}
+"""The kernel name suffix of each id dtype."""
 
 NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++14",)
 """Options for NVRTC; CuPy adds ``-arch`` for the current device itself."""
 
-_BLOCK = 256
+BLOCK = 256
+"""Threads per block of every launch."""
+
 # Grid-stride kernels: more blocks than this per SM only adds scheduling cost.
 _BLOCKS_PER_SM = 32
-# partition_owners counts in shared memory (8 bytes a bin) up to this many
-# owners; beyond it, straight into global memory.
-_MAX_BLOCK_BINS = 4096
 
 # ---- finding and loading the sources --------------------------------------------
 
@@ -150,7 +133,7 @@ def load_source(name: str) -> str:
     at the original files.
 
     Args:
-        name: File name inside the source folder, e.g. ``"gather.cu"``.
+        name: File name inside the source folder, ``"<op>.cu"``.
 
     Returns:
         The preprocessed source text.
@@ -184,6 +167,119 @@ def _inline_includes(folders: Tuple[Path, ...], name: str, seen: set) -> str:
     return "\n".join(out) + "\n"
 
 
+# ---- the kernel table, read from the sources -----------------------------------
+
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_DIRECTIVE = re.compile(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", re.M)
+_FUNCTION_MACRO = re.compile(r"#\s*define\s+(\w+)\(([^)]*)\)(.*)", re.S)
+_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\w+')
+_ENTRY_POINT = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
+# Macros inside macros: deeper nesting than this is a macro that expands itself.
+_MAX_EXPANSIONS = 16
+
+
+def _function_macros(directives: Sequence[str]) -> Dict[str, Tuple[Tuple[str, ...], str]]:
+    """The function-like ``#define``s among ``directives``: name -> (parameters, body)."""
+    macros = {}
+    for directive in directives:
+        match = _FUNCTION_MACRO.match(directive.replace("\\\n", " ").strip())
+        if match is not None:
+            params = tuple(p.strip() for p in match.group(2).split(",") if p.strip())
+            macros[match.group(1)] = (params, match.group(3))
+    return macros
+
+
+def _call_arguments(text: str, open_paren: int) -> Tuple[Tuple[str, ...], int]:
+    """Split the arguments of the call whose ``(`` is at ``open_paren``; return them and the index after ``)``."""
+    depth, start, args = 0, open_paren + 1, []
+    for i in range(open_paren, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+            if depth == 0:
+                args.append(text[start:i].strip())
+                return tuple(args), i + 1
+        elif text[i] == "," and depth == 1:
+            args.append(text[start:i].strip())
+            start = i + 1
+    raise ValueError("sparsecomm: unbalanced parentheses in a macro call of a CUDA source")
+
+
+def _expand_once(code: str, macros: Dict[str, Tuple[Tuple[str, ...], str]]) -> Tuple[str, bool]:
+    """Replace every call of a function-like macro in ``code`` by its body (``##`` pasted); say if any was."""
+    call = re.compile(r"\b(" + "|".join(map(re.escape, macros)) + r")\s*\(") if macros else None
+    out, at, expanded = [], 0, False
+    while call is not None:
+        match = call.search(code, at)
+        if match is None:
+            break
+        params, body = macros[match.group(1)]
+        args, end = _call_arguments(code, match.end() - 1)
+        if len(args) != len(params) and (params or args != ("",)):
+            raise ValueError(f"sparsecomm: macro {match.group(1)} takes {len(params)} arguments, given {len(args)}")
+        bound = dict(zip(params, args))
+        body = _TOKEN.sub(lambda t: bound.get(t.group(0), t.group(0)), body)
+        out.extend((code[at:match.start()], " ", re.sub(r"\s*##\s*", "", body), " "))
+        at, expanded = end, True
+    out.append(code[at:])
+    return "".join(out), expanded
+
+
+def kernel_declarations(source: str) -> Dict[str, Tuple[str, ...]]:
+    """Return the ``extern "C" __global__`` entry points of a CUDA source, with their parameters.
+
+    The entry points are generated by function-like macros (one per dtype
+    combination), so the macros are expanded first, as the preprocessor
+    would: a parameter replaced by its argument, ``##`` pasting the tokens
+    beside it, the result rescanned for further macros. Object-like macros,
+    ``#`` stringizing and conditionals are not looked at: the sources use none
+    of them to name an entry point. ``tests/test_cuda_compile.py`` checks the
+    result against a real preprocessor and against the compiled PTX.
+
+    Args:
+        source: The text of a ``.cu`` file, its includes inlined or not.
+
+    Returns:
+        Entry point name -> its parameter declarations (``"long long d"``), in
+        source order.
+    """
+    code = _COMMENT.sub(" ", source)
+    macros = _function_macros(_DIRECTIVE.findall(code))
+    code = _DIRECTIVE.sub(" ", code)
+    for _ in range(_MAX_EXPANSIONS):
+        code, expanded = _expand_once(code, macros)
+        if not expanded:
+            break
+    else:
+        raise ValueError("sparsecomm: macros of a CUDA source expand without end")
+    return {name: tuple(" ".join(p.split()) for p in params.split(",") if p.strip())
+            for name, params in _ENTRY_POINT.findall(code)}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_table() -> Dict[str, Tuple[str, ...]]:
+    """Return every kernel the loader may launch, by the source file that defines it (file -> entry names).
+
+    Read from the ``.cu`` files of :func:`find_source_dir` (:func:`kernel_declarations`),
+    so a kernel is launchable as soon as its source defines it.
+
+    Raises:
+        FileNotFoundError: No folder holds the kernel sources.
+    """
+    folder = find_source_dir()
+    return {path.name: tuple(kernel_declarations(load_source(path.name)))
+            for path in sorted(folder.glob("*.cu"))}
+
+
+def __getattr__(name: str) -> Any:
+    # KERNELS is read from the sources on first use, not at import: a CPU-only
+    # install without them still imports this module.
+    if name == "KERNELS":
+        return kernel_table()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # ---- CuPy plumbing --------------------------------------------------------------
 
 _lock = threading.Lock()
@@ -208,13 +304,25 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def _stream_handle(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _source_of(name: str) -> str:
+    """The file that defines kernel ``name``."""
+    for file, names in kernel_table().items():
+        if name in names:
+            return file
+    raise KeyError(f"sparsecomm: no CUDA source in {find_source_dir()} defines a kernel named {name!r}")
+
+
 def _function(cupy: Any, device: int, name: str) -> Any:
     """Return kernel ``name`` compiled for ``device`` (caller holds its context)."""
     key = (device, name)
     fn = _functions.get(key)
     if fn is not None:
         return fn
-    file = next(f for f, names in KERNELS.items() if name in names)
+    file = _source_of(name)
     with _lock:
         module = _modules.get((device, file))
         if module is None:
@@ -230,7 +338,16 @@ def _max_blocks(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count * _BLOCKS_PER_SM
 
 
-def _launch(
+def grid_size(total: int, device: int) -> int:
+    """Blocks of :data:`BLOCK` threads for a grid-stride kernel over ``total`` elements on device ``device``.
+
+    One thread an element, capped at a fixed number of blocks per SM (the
+    kernels' loops stride over the rest).
+    """
+    return min(-(-total // BLOCK), _max_blocks(device))
+
+
+def launch(
     device: torch.device,
     name: str,
     total: int,
@@ -244,212 +361,37 @@ def _launch(
         name: One of the names in :data:`KERNELS`.
         total: Number of elements the kernel covers; nothing runs when 0 (a
             zero-sized grid is a launch error).
-        args: Kernel arguments, already as CuPy/NumPy scalars.
+        args: Kernel arguments, already as NumPy scalars (:func:`ptr`,
+            :func:`i64`, :func:`i32`), in the kernel's parameter order.
         shared_mem: Dynamic shared memory per block, in bytes.
+
+    Raises:
+        KeyError: No source defines a kernel named ``name``.
     """
     if total <= 0:
         return
     cupy = _cupy()
     index = _device_index(device)
-    blocks = min(-(-total // _BLOCK), _max_blocks(index))
+    blocks = grid_size(total, index)
     with cupy.cuda.Device(index):
         fn = _function(cupy, index, name)
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(index).cuda_stream)
+        stream = cupy.cuda.ExternalStream(_stream_handle(index))
         with stream:
-            fn((blocks,), (_BLOCK,), tuple(args), shared_mem=shared_mem)
+            fn((blocks,), (BLOCK,), tuple(args), shared_mem=shared_mem)
 
 
 # Kernel arguments travel as fixed-width NumPy scalars: CuPy passes a plain
 # Python int as int64, which would silently mismatch an `int` parameter.
-def _ptr(tensor: Tensor) -> Any:
+def ptr(tensor: Tensor) -> Any:
+    """A pointer argument: the tensor's data address."""
     return numpy.uint64(tensor.data_ptr())
 
 
-def _i64(value: int) -> Any:
+def i64(value: int) -> Any:
+    """A ``long long`` argument."""
     return numpy.int64(value)
 
 
-def _i32(value: int) -> Any:
+def i32(value: int) -> Any:
+    """An ``int`` argument."""
     return numpy.int32(value)
-
-
-def _group_rows(ids: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-    """Group positions by id: (order, group start offsets, group ids ascending).
-
-    ``ids[order]`` is sorted and stable, so within a group ``order`` lists the
-    input positions in input order: what makes the segment sums deterministic.
-    """
-    sorted_ids, order = torch.sort(ids, stable=True)
-    group_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    seg_start = torch.zeros(group_ids.numel() + 1, dtype=torch.int64, device=ids.device)
-    torch.cumsum(counts, 0, out=seg_start[1:])
-    return order, seg_start, group_ids
-
-
-# ---- the four ops ---------------------------------------------------------------
-
-
-def coalesce_rows(ids: Tensor, values: Tensor) -> Tuple[Tensor, Tensor]:
-    """Sum the value rows of equal ids, on the GPU.
-
-    Args:
-        ids: ``(n,)`` int32 or int64 row ids, ``n`` may be 0.
-        values: ``(n, d)`` float32/float64/float16/bfloat16 rows, ``d >= 1``.
-
-    Returns:
-        ``(unique_ids, sums)``: the distinct ids ascending (dtype of ``ids``)
-        and ``(u, d)`` row sums (dtype of ``values``). Each sum adds its rows
-        in input order (fp16/bf16 in float32, rounded once), so results are
-        deterministic and bitwise equal to the CPU kernel.
-    """
-    d = values.shape[1]
-    if ids.numel() == 0:
-        return ids.new_empty(0), values.new_empty((0, d))
-    order, seg_start, group_ids = _group_rows(ids)
-    num_groups = group_ids.numel()
-    out = values.new_empty((num_groups, d))
-    _launch(
-        values.device,
-        f"sparsecomm_coalesce_rows_{_VALUE_SUFFIX[values.dtype]}",
-        num_groups * d,
-        (_ptr(values), _ptr(order), _ptr(seg_start), _i64(num_groups), _i64(d), _ptr(out)),
-    )
-    return group_ids, out
-
-
-def partition_rows(
-    ids: Tensor,
-    values: Optional[Tensor],
-    num_owners: int,
-    scheme: int,
-    range_size: int,
-    stride: int,
-) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
-    """Reorder rows so that each owner's rows are contiguous, on the GPU.
-
-    ``owner(id) = (bucket(id) // stride) % num_owners`` where ``bucket`` is
-    splitmix64(id) for the hash scheme or ``id // range_size`` for the range
-    scheme: ``csrc/owner_map.h``, the map the CPU kernel evaluates too.
-
-    Args:
-        ids: ``(n,)`` int32 or int64 non-negative row ids.
-        values: ``(n, d)`` rows that travel with the ids, or None.
-        num_owners: Number of owners (ranks), >= 1.
-        scheme: The scheme's code (:func:`sparsecomm.ownership.scheme_code`).
-        range_size: Ids per range (range scheme only), >= 1.
-        stride: Consecutive buckets that map to one owner, >= 1.
-
-    Returns:
-        ``(counts, ids_out, values_out, perm)``: ``(num_owners,)`` int64 rows
-        per owner; ids grouped by owner in owner order, stable inside an owner;
-        values permuted the same way (None if ``values`` is None); ``(n,)``
-        int64 ``perm`` with ``ids_out == ids[perm]``.
-
-    Raises:
-        ValueError: An owner-map parameter is out of range.
-    """
-    ownership.OwnerMap(num_owners, scheme, range_size, stride).check()
-    if num_owners > 2**31 - 1:  # owners are written as int32
-        raise ValueError(f"sparsecomm: num_owners must be in [1, 2**31), got {num_owners}")
-    is_range = ownership.scheme_from_code(scheme) is PartitionScheme.RANGE
-    n = ids.numel()
-    counts = torch.zeros(num_owners, dtype=torch.int64, device=ids.device)
-    if n == 0:
-        empty_values = None if values is None else values.new_empty((0, values.shape[1]))
-        perm = torch.empty(0, dtype=torch.int64, device=ids.device)
-        return counts, ids.new_empty(0), empty_values, perm
-    owners = torch.empty(n, dtype=torch.int32, device=ids.device)
-    block_bins = num_owners <= _MAX_BLOCK_BINS
-    _launch(
-        ids.device,
-        f"sparsecomm_partition_owners_{_ID_SUFFIX[ids.dtype]}",
-        n,
-        (
-            _ptr(ids),
-            _i64(n),
-            _i32(scheme),
-            _i64(num_owners),
-            # Unused by the hash scheme; 1 keeps the argument meaningful.
-            _i64(range_size if is_range else 1),
-            _i64(stride),
-            _ptr(owners),
-            _ptr(counts),
-            _i32(int(block_bins)),
-        ),
-        shared_mem=8 * num_owners if block_bins else 0,
-    )
-    # A stable sort of the owner ranks is the stable counting sort we need.
-    perm = torch.sort(owners, stable=True).indices
-    ids_out = gather_rows(ids.view(n, 1), perm).view(n)
-    values_out = None if values is None else gather_rows(values, perm)
-    return counts, ids_out, values_out, perm
-
-
-def gather_rows(table: Tensor, ids: Tensor) -> Tensor:
-    """Copy the rows ``table[ids]`` into a new tensor, on the GPU.
-
-    Args:
-        table: ``(V, d)`` contiguous rows of any dtype.
-        ids: ``(n,)`` int32 or int64 ids in ``[0, V)``.
-
-    Returns:
-        ``(n, d)`` tensor of the dtype of ``table`` with ``out[i] = table[ids[i]]``.
-    """
-    n = ids.numel()
-    num_rows, d = table.shape
-    out = table.new_empty((n, d))
-    row_bytes = d * table.element_size()
-    if n == 0 or row_bytes == 0:
-        return out
-    # Widest copy unit that divides the row and keeps both sides aligned.
-    unit = next(
-        w
-        for w in _UNIT_SUFFIX
-        if row_bytes % w == 0 and table.data_ptr() % w == 0 and out.data_ptr() % w == 0
-    )
-    row_units = row_bytes // unit
-    _launch(
-        table.device,
-        f"sparsecomm_gather_rows_{_UNIT_SUFFIX[unit]}_{_ID_SUFFIX[ids.dtype]}",
-        n * row_units,
-        (_ptr(table), _i64(num_rows), _ptr(ids), _i64(n), _i64(row_units), _ptr(out)),
-    )
-    return out
-
-
-def scatter_add_rows(table: Tensor, ids: Tensor, values: Tensor) -> Tensor:
-    """Add ``values[i]`` into ``table[ids[i]]`` in place, on the GPU.
-
-    Duplicate ids are allowed. Each touched table row becomes its old value
-    plus its updates summed in input order (fp16/bf16 in float32, rounded
-    once), without atomics: deterministic and bitwise equal to the CPU kernel.
-
-    Args:
-        table: ``(V, d)`` float32/float64/float16/bfloat16 table, updated in place.
-        ids: ``(n,)`` int32 or int64 ids in ``[0, V)``.
-        values: ``(n, d)`` rows of the dtype of ``table``.
-
-    Returns:
-        ``table``.
-    """
-    if ids.numel() == 0:
-        return table
-    num_rows, d = table.shape
-    order, seg_start, group_ids = _group_rows(ids)
-    num_groups = group_ids.numel()
-    _launch(
-        table.device,
-        f"sparsecomm_scatter_add_rows_{_VALUE_SUFFIX[table.dtype]}_{_ID_SUFFIX[ids.dtype]}",
-        num_groups * d,
-        (
-            _ptr(table),
-            _i64(num_rows),
-            _ptr(group_ids),
-            _ptr(values),
-            _ptr(order),
-            _ptr(seg_start),
-            _i64(num_groups),
-            _i64(d),
-        ),
-    )
-    return table

@@ -7,14 +7,16 @@
 * ``csrc/owner_map.h``, the owner map the CPU and CUDA kernels share, compiles
   as plain C++ and as CUDA, reaches NVRTC inlined (from a checkout and from a
   wheel's layout), and is the only source that spells the map out;
-* the compiled PTX defines exactly the kernels ``sparsecomm._cuda.KERNELS``
-  names, and every launch the loader makes passes as many arguments, of the
-  same widths, as the kernel's PTX signature declares: the loader and the
-  sources cannot drift apart unnoticed;
+* ``sparsecomm._cuda.KERNELS``, which the loader reads from the sources
+  themselves, names the entry points a real preprocessor sees, with the same
+  parameters, and the compiled PTX defines exactly those kernels with
+  parameters of the declared widths (tests/test_ops_cuda_launch.py checks
+  every launch against the declarations): the operators' launches, the table
+  and the sources cannot drift apart unnoticed;
 * importing the loader does not import CuPy.
 
-``sparsecomm/_cuda.py`` is loaded from its file as a module of its own, so
-intercepting its launches here leaves the package's copy alone.
+``sparsecomm/_cuda.py`` is loaded from its file as a module of its own: these
+checks need neither the package nor its compiled kernels.
 """
 
 from __future__ import annotations
@@ -205,82 +207,61 @@ def test_only_the_owner_map_spells_out_the_owner_map():
 # ---- loader and sources agree -------------------------------------------------------
 
 
+# The entry points as the preprocessed text spells them (independent of the loader's own parsing).
+_PREPROCESSED_ENTRY = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)')
+
+
+def _declared_width(declaration: str) -> int:
+    """Bytes of a kernel parameter as the source declares it: a pointer, ``long long`` or ``int``."""
+    if "*" in declaration:
+        return 8
+    return {"long long": 8, "int": 4}[declaration.rsplit(None, 1)[0]]
+
+
 @pytest.mark.parametrize("name", CU_FILES)
-def test_kernel_names_appear_in_source(name):
-    # Cheap check without nvcc: the names are built by SPARSECOMM_ macros, so
-    # look for the name's stem before `##` and for each suffix as a macro argument.
-    source = (CUDA_DIR / name).read_text()
-    for kernel in cuda.KERNELS[name]:
-        parts = kernel.split("_")
-        stem_len = next((i for i in range(len(parts), 0, -1) if "_".join(parts[:i]) + "_##" in source), 0)
-        assert stem_len, f"no SPARSECOMM_ macro in {name} pastes a name for {kernel}"
-        for suffix in parts[stem_len:]:
-            assert re.search(rf"SPARSECOMM_DEFINE_\w+\([^)]*\b{suffix}\b", source), (kernel, suffix)
+def test_kernel_table_is_what_the_preprocessor_sees(name):
+    # The C preprocessor does not care that the text is CUDA: its expansion of the
+    # SPARSECOMM_DEFINE_* macros is the reference for the loader's.
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler on PATH")
+    source = cuda.load_source(name)
+    proc = subprocess.run([cxx, "-E", "-P", "-x", "c++", "-"], input=source, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    want = {kernel: tuple(" ".join(p.split()) for p in params.split(","))
+            for kernel, params in _PREPROCESSED_ENTRY.findall(proc.stdout)}
+    assert want, f"no entry points in {name}"
+    assert cuda.kernel_declarations(source) == want
+    assert set(cuda.KERNELS[name]) == set(want)
 
 
-def test_ptx_defines_exactly_the_expected_kernels(ptx_signatures):
+def test_kernel_table_expands_nested_macros_and_pastes_names():
+    source = """
+    // extern "C" __global__ void commented_out(int x) {}
+    #define DEFINE_ONE(SUFFIX, T) \\
+      extern "C" __global__ void k_##SUFFIX##_x(const T* __restrict__ a, long long n) {}
+    #define DEFINE_TWO(SUFFIX, T) DEFINE_ONE(SUFFIX##1, T) DEFINE_ONE(SUFFIX##2, unsigned T)
+    DEFINE_TWO(a, int)
+    extern "C" __global__ void plain(int* p) {}
+    """
+    assert cuda.kernel_declarations(source) == {
+        "k_a1_x": ("const int* __restrict__ a", "long long n"),
+        "k_a2_x": ("const unsigned int* __restrict__ a", "long long n"),
+        "plain": ("int* p",),
+    }
+    with pytest.raises(ValueError, match="expand without end"):
+        cuda.kernel_declarations("#define LOOP(x) LOOP(x)\nLOOP(1)\n")
+    with pytest.raises(ValueError, match="macro TWO takes 2 arguments, given 1"):
+        cuda.kernel_declarations("#define TWO(a, b) a b\nTWO(1)\n")
+
+
+def test_ptx_defines_exactly_the_kernels_of_the_table_with_the_declared_widths(ptx_signatures):
     for name in CU_FILES:
         assert set(ptx_signatures[name]) == set(cuda.KERNELS[name]), name
-
-
-def _record_launches(monkeypatch) -> list:
-    calls = []
-
-    def fake_launch(device, name, total, args, shared_mem=0):
-        calls.append((name, total, tuple(args), shared_mem))
-
-    monkeypatch.setattr(cuda, "_launch", fake_launch)
-    return calls
-
-
-def test_launch_arguments_match_kernel_signatures(monkeypatch, ptx_signatures):
-    # Drive every host path on CPU tensors with the launch intercepted, and
-    # compare each launch with the kernel's PTX parameter list.
-    calls = _record_launches(monkeypatch)
-    value_dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-    for id_dtype in (torch.int32, torch.int64):
-        ids = torch.tensor([5, 1, 5, 0, 9, 1], dtype=id_dtype)
-        for value_dtype in value_dtypes:
-            values = torch.ones(6, 3, dtype=value_dtype)
-            cuda.coalesce_rows(ids, values)
-            cuda.scatter_add_rows(torch.zeros(10, 3, dtype=value_dtype), ids, values)
-        for scheme in (0, 1):
-            cuda.partition_rows(ids, None, 3, scheme, 4, 1)
-            cuda.partition_rows(ids, torch.ones(6, 2), 5000, scheme, 4, 2)  # global-memory bins
-        # Row widths of 1, 2, 4, 8 and 16 bytes reach every gather copy unit.
-        for dtype, d in ((torch.uint8, 1), (torch.float16, 1), (torch.float32, 1),
-                         (torch.float64, 1), (torch.float32, 4)):
-            cuda.gather_rows(torch.zeros(10, d, dtype=dtype), ids)
-
-    signatures = {k: v for per_file in ptx_signatures.values() for k, v in per_file.items()}
-    for name, total, args, _ in calls:
-        assert name in signatures, name
-        assert total > 0
-        assert [a.itemsize for a in args] == signatures[name], name
-    assert {c[0] for c in calls} == set(signatures), "every kernel is reachable from the loader"
-
-
-def test_empty_inputs_launch_nothing(monkeypatch):
-    calls = _record_launches(monkeypatch)
-    ids = torch.empty(0, dtype=torch.int64)
-    values = torch.empty(0, 7, dtype=torch.float16)
-    u_ids, sums = cuda.coalesce_rows(ids, values)
-    assert u_ids.shape == (0,) and u_ids.dtype == torch.int64
-    assert sums.shape == (0, 7) and sums.dtype == torch.float16
-    counts, p_ids, p_values, perm = cuda.partition_rows(ids, values, 4, 0, 1, 1)
-    assert counts.tolist() == [0, 0, 0, 0] and p_ids.numel() == 0
-    assert p_values.shape == (0, 7) and perm.dtype == torch.int64 and perm.numel() == 0
-    assert cuda.gather_rows(torch.zeros(3, 7), ids).shape == (0, 7)
-    table = torch.zeros(3, 7)
-    assert cuda.scatter_add_rows(table, ids, torch.empty(0, 7)) is table
-    assert calls == []
-
-
-def test_partition_rejects_bad_owner_map():
-    ids = torch.tensor([1, 2])
-    for args in ((0, 0, 1, 1), (2, 2, 1, 1), (2, 0, 1, 0), (2, 1, 0, 1)):
-        with pytest.raises(ValueError):
-            cuda.partition_rows(ids, None, *args)
+        declarations = cuda.kernel_declarations(cuda.load_source(name))
+        for kernel, widths in ptx_signatures[name].items():
+            assert [_declared_width(d) for d in declarations[kernel]] == widths, kernel
 
 
 # ---- import behaviour ------------------------------------------------------------

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparsecomm import _C, _cuda, ops, ownership
+from sparsecomm import _C, ops, ownership
+from sparsecomm._library._rows import partition_rows_cuda
 from sparsecomm.ownership import OwnerMap
 from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.types import PartitionScheme
@@ -51,7 +52,7 @@ def test_the_kernels_accept_exactly_the_codes_python_knows():
         with pytest.raises(ValueError, match="unknown partition scheme"):
             _C.row_owner(1, code, 3, 10, 1)
         with pytest.raises(ValueError, match="no partition scheme has code"):
-            _cuda.partition_rows(torch.empty(0, dtype=torch.int64), None, 3, code, 10, 1)
+            partition_rows_cuda(torch.empty(0, dtype=torch.int64), None, 3, code, 10, 1)
 
 
 @pytest.mark.parametrize("rows,owners,want", [(10, 4, 3), (12, 4, 3), (1, 8, 1), (0, 3, 1), (2**40 + 1, 2, 2**39 + 1)])

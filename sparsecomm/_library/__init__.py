@@ -1,16 +1,17 @@
 """The row kernels as PyTorch operators: ``torch.ops.sparsecomm.*``.
 
 Each op has a schema (``torch.library.custom_op``), a CPU kernel (the C++
-kernels in ``sparsecomm._C``), a CUDA kernel (:mod:`sparsecomm._cuda`, CuPy), a
-fake implementation (shapes only, for ``torch.compile`` and meta tensors) and,
+kernels in ``sparsecomm._C``), a CUDA kernel (its launch of the ``csrc/cuda``
+kernels, beside the op, through :mod:`sparsecomm._cuda` and CuPy), a fake
+implementation (shapes only, for ``torch.compile`` and meta tensors) and,
 where a gradient means something, an autograd formula. The dispatcher picks
 the kernel from the tensors' device; a device with neither kernel gets
 PyTorch's own "could not run ... with arguments from the ... backend" error.
 
 One module per job: ``_rows`` (coalesce, partition, gather, scatter-add,
 row-wise Adagrad), ``_pooled`` (owner pooling's index ops), ``_wire`` (send
-and receive buffers); ``_registry`` declares an op and calls it, ``_common``
-holds what their kernels share. This package is the only importer of
+and receive buffers); ``_registry`` declares an op with its kernels and calls
+it, ``_common`` holds what their kernels share. This package is the only importer of
 ``sparsecomm._C``'s row kernels.
 
 These ops trust their arguments' types and shapes: :mod:`sparsecomm.ops`

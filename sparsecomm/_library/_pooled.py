@@ -14,7 +14,7 @@ from torch import Tensor
 
 from sparsecomm import _C
 from sparsecomm._library._common import check_cuda_ids, dynamic_rows, threads
-from sparsecomm._library._registry import custom_op
+from sparsecomm._library._registry import cuda_kernel, custom_op
 
 __all__ = ["group_by_torch", "bag_groups_torch", "unique_inverse_torch", "pooled_request_torch", "group_by",
            "bag_groups", "unique_inverse", "pooled_request"]
@@ -95,7 +95,7 @@ def group_by(index: Tensor, size: int) -> Tuple[Tensor, Tensor]:
     return order, offsets
 
 
-group_by.register_kernel("cuda")(group_by_torch)
+cuda_kernel("group_by")(group_by_torch)
 
 
 @group_by.register_fake
@@ -114,7 +114,7 @@ def bag_groups(key: Tensor, positions: Tensor, lengths: Tensor, size: int) -> Tu
     return order, rows, offsets
 
 
-bag_groups.register_kernel("cuda")(bag_groups_torch)
+cuda_kernel("bag_groups")(bag_groups_torch)
 
 
 @bag_groups.register_fake
@@ -133,7 +133,7 @@ def unique_inverse(ids: Tensor, num_rows: int) -> Tuple[Tensor, Tensor]:
     return unique, inverse
 
 
-unique_inverse.register_kernel("cuda")(unique_inverse_torch)
+cuda_kernel("unique_inverse")(unique_inverse_torch)
 
 
 @unique_inverse.register_fake
@@ -160,7 +160,7 @@ def pooled_request(ids: Tensor, bag_of: Tensor, num_rows: int, num_owners: int, 
     return unique, unique_counts, order, occ_counts, positions, bag_rows, lengths, bag_counts
 
 
-pooled_request.register_kernel("cuda")(pooled_request_torch)
+cuda_kernel("pooled_request")(pooled_request_torch)
 
 
 @pooled_request.register_fake

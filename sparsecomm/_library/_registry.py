@@ -1,18 +1,22 @@
-"""Registering an operator with its CPU kernel, and calling an operator (straight into that kernel when it can).
+"""Registering an operator with its CPU and CUDA kernels, and calling an operator (straight into its CPU kernel
+when it can).
 
 Each op is declared with :func:`custom_op`: torch's ``torch.library.custom_op``
 with the CPU kernel as its body, remembered here so that :func:`call` can run
-it without the dispatcher when nothing needs the dispatcher.
+it without the dispatcher when nothing needs the dispatcher. Its CUDA kernel
+is registered with :func:`cuda_kernel`, remembered too, so that tests can run
+every CUDA kernel's host code (:func:`cuda_kernels`) on a machine without a GPU.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, NamedTuple, Sequence, Tuple
+from types import MappingProxyType
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Sequence, Tuple, TypeVar
 
 import torch
 
-__all__ = ["custom_op", "call"]
+__all__ = ["custom_op", "cuda_kernel", "call", "op_names", "cuda_kernels"]
 
 
 class _CpuKernel(NamedTuple):
@@ -21,6 +25,9 @@ class _CpuKernel(NamedTuple):
 
 
 _CPU_KERNELS: Dict[str, _CpuKernel] = {}
+_CUDA_KERNELS: Dict[str, Callable[..., Any]] = {}
+
+_Kernel = TypeVar("_Kernel", bound=Callable[..., Any])
 
 
 def custom_op(name: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Any]:
@@ -41,6 +48,33 @@ def custom_op(name: str, mutates_args: Sequence[str] = ()) -> Callable[[Callable
                                        device_types="cpu")(fn)
 
     return register
+
+
+def cuda_kernel(name: str) -> Callable[[_Kernel], _Kernel]:
+    """Register the decorated function as the CUDA kernel of op ``sparsecomm::<name>``.
+
+    ``torch.library.register_kernel`` for the ``"cuda"`` device type; the
+    function is returned unchanged.
+
+    Args:
+        name: the op's name, as given to :func:`custom_op`.
+    """
+    def register(fn: _Kernel) -> _Kernel:
+        torch.library.register_kernel(f"sparsecomm::{name}", "cuda", fn)
+        _CUDA_KERNELS[name] = fn
+        return fn
+
+    return register
+
+
+def op_names() -> Tuple[str, ...]:
+    """The names of the ops declared so far, in declaration order."""
+    return tuple(_CPU_KERNELS)
+
+
+def cuda_kernels() -> Mapping[str, Callable[..., Any]]:
+    """Each op's CUDA kernel (the function :func:`cuda_kernel` registered), by op name; read-only."""
+    return MappingProxyType(_CUDA_KERNELS)
 
 
 def call(name: str, *args: Any) -> Any:

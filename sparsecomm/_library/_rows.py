@@ -1,8 +1,13 @@
 """The row operators: coalesce, partition by owner, gather, scatter-add, row-wise Adagrad; shard storage.
 
-Each op: its CPU kernel (``sparsecomm._C``), its CUDA kernel
-(:mod:`sparsecomm._cuda`, or torch ops where that is as fast), its fake and,
-where a gradient means something, its autograd formula.
+Each op: its CPU kernel (``sparsecomm._C``), its CUDA kernel (the launch of
+its ``csrc/cuda/*.cu`` kernels through :mod:`sparsecomm._cuda`, or torch ops
+where that is as fast), its fake and, where a gradient means something, its
+autograd formula.
+
+On CUDA, sorting and run-finding use torch (``torch.sort(stable=True)``,
+``torch.unique_consecutive``, ``torch.cumsum``); the kernels do the fused
+parts: segment sums, owner mapping with its histogram, and row copies.
 """
 
 from __future__ import annotations
@@ -12,12 +17,26 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import Tensor
 
-from sparsecomm import _C, _cuda
+from sparsecomm import _C, _cuda, ownership
 from sparsecomm._library._common import (INDEX_CODE, VALUE_CODE, check_cuda_ids, check_no_overlap, dynamic_rows,
                                          row_bytes, threads)
-from sparsecomm._library._registry import custom_op
+from sparsecomm._library._registry import cuda_kernel, custom_op
+from sparsecomm.types import PartitionScheme
 
-__all__ = ["coalesce", "coalesce_partition", "partition", "gather", "scatter_add_", "rowwise_adagrad_", "empty_rows"]
+__all__ = ["coalesce", "coalesce_partition", "partition", "gather", "scatter_add_", "rowwise_adagrad_", "empty_rows",
+           "coalesce_rows_cuda", "partition_rows_cuda", "gather_rows_cuda", "scatter_add_rows_cuda"]
+
+def _group_rows(ids: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Group positions by id: (order, group start offsets, group ids ascending).
+
+    ``ids[order]`` is sorted and stable, so within a group ``order`` lists the
+    input positions in input order: what makes the segment sums deterministic.
+    """
+    sorted_ids, order = torch.sort(ids, stable=True)
+    group_ids, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    seg_start = torch.zeros(group_ids.numel() + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(counts, 0, out=seg_start[1:])
+    return order, seg_start, group_ids
 
 
 # ------------------------------------------------------------------ coalesce
@@ -36,10 +55,38 @@ def coalesce(ids: Tensor, values: Tensor, num_rows: int) -> Tuple[Tensor, Tensor
     return out_ids, out_values
 
 
-@coalesce.register_kernel("cuda")
+def coalesce_rows_cuda(ids: Tensor, values: Tensor) -> Tuple[Tensor, Tensor]:
+    """Sum the value rows of equal ids, on the GPU.
+
+    Args:
+        ids: ``(n,)`` int32 or int64 row ids, ``n`` may be 0.
+        values: ``(n, d)`` float32/float64/float16/bfloat16 rows, ``d >= 1``.
+
+    Returns:
+        ``(unique_ids, sums)``: the distinct ids ascending (dtype of ``ids``)
+        and ``(u, d)`` row sums (dtype of ``values``). Each sum adds its rows
+        in input order (fp16/bf16 in float32, rounded once), so results are
+        deterministic and bitwise equal to the CPU kernel.
+    """
+    d = values.shape[1]
+    if ids.numel() == 0:
+        return ids.new_empty(0), values.new_empty((0, d))
+    order, seg_start, group_ids = _group_rows(ids)
+    num_groups = group_ids.numel()
+    out = values.new_empty((num_groups, d))
+    _cuda.launch(
+        values.device,
+        f"sparsecomm_coalesce_rows_{_cuda.VALUE_SUFFIX[values.dtype]}",
+        num_groups * d,
+        (_cuda.ptr(values), _cuda.ptr(order), _cuda.ptr(seg_start), _cuda.i64(num_groups), _cuda.i64(d), _cuda.ptr(out)),
+    )
+    return group_ids, out
+
+
+@cuda_kernel("coalesce")
 def _(ids: Tensor, values: Tensor, num_rows: int) -> Tuple[Tensor, Tensor]:
     check_cuda_ids(ids, num_rows)
-    return _cuda.coalesce_rows(ids, values)
+    return coalesce_rows_cuda(ids, values)
 
 
 @coalesce.register_fake
@@ -80,12 +127,12 @@ def coalesce_partition(ids: Tensor, values: Tensor, num_rows: int, num_owners: i
     return counts, out_ids, out_values
 
 
-@coalesce_partition.register_kernel("cuda")
+@cuda_kernel("coalesce_partition")
 def _(ids: Tensor, values: Tensor, num_rows: int, num_owners: int, scheme: int, range_size: int,
       stride: int) -> Tuple[Tensor, Tensor, Tensor]:
     check_cuda_ids(ids, num_rows)
-    out_ids, sums = _cuda.coalesce_rows(ids, values)
-    counts, out_ids, sums, _ = _cuda.partition_rows(out_ids, sums, num_owners, scheme, range_size, stride)
+    out_ids, sums = coalesce_rows_cuda(ids, values)
+    counts, out_ids, sums, _ = partition_rows_cuda(out_ids, sums, num_owners, scheme, range_size, stride)
     return counts, out_ids, sums
 
 
@@ -115,11 +162,84 @@ def partition(ids: Tensor, values: Optional[Tensor], num_rows: int, num_owners: 
     return counts, out_ids, out_values, perm
 
 
-@partition.register_kernel("cuda")
+# partition_owners counts in shared memory (8 bytes a bin) up to this many
+# owners; beyond it, straight into global memory.
+_MAX_BLOCK_BINS = 4096
+
+
+def partition_rows_cuda(
+    ids: Tensor,
+    values: Optional[Tensor],
+    num_owners: int,
+    scheme: int,
+    range_size: int,
+    stride: int,
+) -> Tuple[Tensor, Tensor, Optional[Tensor], Tensor]:
+    """Reorder rows so that each owner's rows are contiguous, on the GPU.
+
+    ``owner(id) = (bucket(id) // stride) % num_owners`` where ``bucket`` is
+    splitmix64(id) for the hash scheme or ``id // range_size`` for the range
+    scheme: ``csrc/owner_map.h``, the map the CPU kernel evaluates too.
+
+    Args:
+        ids: ``(n,)`` int32 or int64 non-negative row ids.
+        values: ``(n, d)`` rows that travel with the ids, or None.
+        num_owners: Number of owners (ranks), >= 1.
+        scheme: The scheme's code (:func:`sparsecomm.ownership.scheme_code`).
+        range_size: Ids per range (range scheme only), >= 1.
+        stride: Consecutive buckets that map to one owner, >= 1.
+
+    Returns:
+        ``(counts, ids_out, values_out, perm)``: ``(num_owners,)`` int64 rows
+        per owner; ids grouped by owner in owner order, stable inside an owner;
+        values permuted the same way (None if ``values`` is None); ``(n,)``
+        int64 ``perm`` with ``ids_out == ids[perm]``.
+
+    Raises:
+        ValueError: An owner-map parameter is out of range.
+    """
+    ownership.OwnerMap(num_owners, scheme, range_size, stride).check()
+    if num_owners > 2**31 - 1:  # owners are written as int32
+        raise ValueError(f"sparsecomm: num_owners must be in [1, 2**31), got {num_owners}")
+    is_range = ownership.scheme_from_code(scheme) is PartitionScheme.RANGE
+    n = ids.numel()
+    counts = torch.zeros(num_owners, dtype=torch.int64, device=ids.device)
+    if n == 0:
+        empty_values = None if values is None else values.new_empty((0, values.shape[1]))
+        perm = torch.empty(0, dtype=torch.int64, device=ids.device)
+        return counts, ids.new_empty(0), empty_values, perm
+    owners = torch.empty(n, dtype=torch.int32, device=ids.device)
+    block_bins = num_owners <= _MAX_BLOCK_BINS
+    _cuda.launch(
+        ids.device,
+        f"sparsecomm_partition_owners_{_cuda.ID_SUFFIX[ids.dtype]}",
+        n,
+        (
+            _cuda.ptr(ids),
+            _cuda.i64(n),
+            _cuda.i32(scheme),
+            _cuda.i64(num_owners),
+            # Unused by the hash scheme; 1 keeps the argument meaningful.
+            _cuda.i64(range_size if is_range else 1),
+            _cuda.i64(stride),
+            _cuda.ptr(owners),
+            _cuda.ptr(counts),
+            _cuda.i32(int(block_bins)),
+        ),
+        shared_mem=8 * num_owners if block_bins else 0,
+    )
+    # A stable sort of the owner ranks is the stable counting sort we need.
+    perm = torch.sort(owners, stable=True).indices
+    ids_out = gather_rows_cuda(ids.view(n, 1), perm).view(n)
+    values_out = None if values is None else gather_rows_cuda(values, perm)
+    return counts, ids_out, values_out, perm
+
+
+@cuda_kernel("partition")
 def _(ids: Tensor, values: Optional[Tensor], num_rows: int, num_owners: int, scheme: int, range_size: int,
       stride: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     check_cuda_ids(ids, num_rows)
-    counts, out_ids, out_values, perm = _cuda.partition_rows(ids, values, num_owners, scheme, range_size, stride)
+    counts, out_ids, out_values, perm = partition_rows_cuda(ids, values, num_owners, scheme, range_size, stride)
     if out_values is None:
         out_values = torch.empty((0, 0), device=ids.device)
     return counts, out_ids, out_values, perm
@@ -161,10 +281,46 @@ def gather(table: Tensor, ids: Tensor) -> Tensor:
     return out
 
 
-@gather.register_kernel("cuda")
+# gather copies bytes, not values: its kernels are typed by copy unit (bytes).
+_UNIT_SUFFIX = {16: "u128", 8: "u64", 4: "u32", 2: "u16", 1: "u8"}
+
+
+def gather_rows_cuda(table: Tensor, ids: Tensor) -> Tensor:
+    """Copy the rows ``table[ids]`` into a new tensor, on the GPU.
+
+    Args:
+        table: ``(V, d)`` contiguous rows of any dtype.
+        ids: ``(n,)`` int32 or int64 ids in ``[0, V)``.
+
+    Returns:
+        ``(n, d)`` tensor of the dtype of ``table`` with ``out[i] = table[ids[i]]``.
+    """
+    n = ids.numel()
+    num_rows, d = table.shape
+    out = table.new_empty((n, d))
+    row_bytes = d * table.element_size()
+    if n == 0 or row_bytes == 0:
+        return out
+    # Widest copy unit that divides the row and keeps both sides aligned.
+    unit = next(
+        w
+        for w in _UNIT_SUFFIX
+        if row_bytes % w == 0 and table.data_ptr() % w == 0 and out.data_ptr() % w == 0
+    )
+    row_units = row_bytes // unit
+    _cuda.launch(
+        table.device,
+        f"sparsecomm_gather_rows_{_UNIT_SUFFIX[unit]}_{_cuda.ID_SUFFIX[ids.dtype]}",
+        n * row_units,
+        (_cuda.ptr(table), _cuda.i64(num_rows), _cuda.ptr(ids), _cuda.i64(n), _cuda.i64(row_units), _cuda.ptr(out)),
+    )
+    return out
+
+
+@cuda_kernel("gather")
 def _(table: Tensor, ids: Tensor) -> Tensor:
     check_cuda_ids(ids, table.shape[0])
-    return _cuda.gather_rows(table, ids)
+    return gather_rows_cuda(table, ids)
 
 
 @gather.register_fake
@@ -200,12 +356,50 @@ def scatter_add_(table: Tensor, ids: Tensor, values: Tensor) -> None:
                         threads(values.numel() * values.element_size()))
 
 
-@scatter_add_.register_kernel("cuda")
+def scatter_add_rows_cuda(table: Tensor, ids: Tensor, values: Tensor) -> Tensor:
+    """Add ``values[i]`` into ``table[ids[i]]`` in place, on the GPU.
+
+    Duplicate ids are allowed. Each touched table row becomes its old value
+    plus its updates summed in input order (fp16/bf16 in float32, rounded
+    once), without atomics: deterministic and bitwise equal to the CPU kernel.
+
+    Args:
+        table: ``(V, d)`` float32/float64/float16/bfloat16 table, updated in place.
+        ids: ``(n,)`` int32 or int64 ids in ``[0, V)``.
+        values: ``(n, d)`` rows of the dtype of ``table``.
+
+    Returns:
+        ``table``.
+    """
+    if ids.numel() == 0:
+        return table
+    num_rows, d = table.shape
+    order, seg_start, group_ids = _group_rows(ids)
+    num_groups = group_ids.numel()
+    _cuda.launch(
+        table.device,
+        f"sparsecomm_scatter_add_rows_{_cuda.VALUE_SUFFIX[table.dtype]}_{_cuda.ID_SUFFIX[ids.dtype]}",
+        num_groups * d,
+        (
+            _cuda.ptr(table),
+            _cuda.i64(num_rows),
+            _cuda.ptr(group_ids),
+            _cuda.ptr(values),
+            _cuda.ptr(order),
+            _cuda.ptr(seg_start),
+            _cuda.i64(num_groups),
+            _cuda.i64(d),
+        ),
+    )
+    return table
+
+
+@cuda_kernel("scatter_add_")
 def _(table: Tensor, ids: Tensor, values: Tensor) -> None:
     check_no_overlap(table, values, "values")
     check_no_overlap(table, ids, "ids")
     check_cuda_ids(ids, table.shape[0])
-    _cuda.scatter_add_rows(table, ids, values)
+    scatter_add_rows_cuda(table, ids, values)
 
 
 @scatter_add_.register_fake
@@ -241,7 +435,7 @@ def rowwise_adagrad_(weight: Tensor, acc: Tensor, slots: Tensor, grad: Tensor, l
                        threads(grad.numel() * grad.element_size()))
 
 
-@rowwise_adagrad_.register_kernel("cuda")
+@cuda_kernel("rowwise_adagrad_")
 def _(weight: Tensor, acc: Tensor, slots: Tensor, grad: Tensor, lr: float, eps: float) -> None:
     # The CPU kernel checks the order in its pass; index_add_ would sum a repeated slot's rows instead.
     if slots.numel() > 1 and not bool((slots[1:] > slots[:-1]).all()):

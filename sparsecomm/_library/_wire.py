@@ -11,10 +11,11 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from sparsecomm import _C, _cuda
+from sparsecomm import _C
 from sparsecomm._library._common import (INDEX_CODE, VALUE_CODE, WIRE_ID_DTYPE, acc_dtype, check_cuda_ids,
                                          check_no_overlap, dynamic_rows, row_bytes, threads)
-from sparsecomm._library._registry import custom_op
+from sparsecomm._library._registry import cuda_kernel, custom_op
+from sparsecomm._library._rows import coalesce_rows_cuda
 
 __all__ = ["pack_rows_", "coalesce_segments"]
 
@@ -32,7 +33,7 @@ def pack_rows_(buffer: Tensor, src: Tensor, index: Optional[Tensor], segments: L
                  buffer.data_ptr(), buffer.numel(), wire_id_bytes, threads(buffer.numel()))
 
 
-@pack_rows_.register_kernel("cuda")
+@cuda_kernel("pack_rows_")
 def _(buffer: Tensor, src: Tensor, index: Optional[Tensor], segments: List[int], wire_id_bytes: int) -> None:
     check_no_overlap(buffer, src, "src")
     if index is not None:
@@ -72,7 +73,7 @@ def coalesce_segments(buffer: Tensor, segments: List[int], id_bytes: int, value_
     return out_ids, out_values
 
 
-@coalesce_segments.register_kernel("cuda")
+@cuda_kernel("coalesce_segments")
 def _(buffer: Tensor, segments: List[int], id_bytes: int, value_dtype: torch.dtype, d: int, num_rows: int,
       out_ids_dtype: torch.dtype, out_acc: bool) -> Tuple[Tensor, Tensor]:
     esz = torch.empty(0, dtype=value_dtype).element_size()
@@ -86,7 +87,7 @@ def _(buffer: Tensor, segments: List[int], id_bytes: int, value_dtype: torch.dty
     if out_acc:
         values = values.to(acc_dtype(value_dtype))
     check_cuda_ids(ids, num_rows)
-    return _cuda.coalesce_rows(ids, values)
+    return coalesce_rows_cuda(ids, values)
 
 
 @coalesce_segments.register_fake

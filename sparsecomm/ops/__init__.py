@@ -16,34 +16,20 @@ round once); ids int32 or int64. Values are ``(n, *row_shape)``: each row is
 
 One module per job: ``_rows`` (coalesce, partition, gather, scatter-add,
 row-wise Adagrad), ``_pooled`` (owner pooling's index ops), ``_wire`` (send
-and receive buffers), ``_validate`` (the argument checks they share). The
+and receive buffers), ``_validate`` (the argument checks they share); this
+package exports each job module's ``__all__``. The
 owner map (``scheme``, ``num_rows``, ``range_size``, ``stride``) is
 :mod:`sparsecomm.ownership`'s.
 """
 
-from sparsecomm.ops._pooled import PooledPlan, bag_groups, empty_rows, group_by, pooled_request, unique_inverse
-from sparsecomm.ops._rows import (Partition, coalesce_partition_rows, coalesce_rows, gather_rows, partition_rows,
-                                  row_owners, rowwise_adagrad_, scatter_add_rows)
+from sparsecomm.ops import _pooled, _rows, _wire
+from sparsecomm.ops._pooled import *  # noqa: F401,F403
+from sparsecomm.ops._rows import *  # noqa: F401,F403
 from sparsecomm.ops._validate import INDEX_DTYPES, VALUE_DTYPES, _owner_map  # noqa: F401  (_owner_map: benchmarks)
-from sparsecomm.ops._wire import coalesce_segments, pack_rows
+from sparsecomm.ops._wire import *  # noqa: F401,F403
 
-__all__ = [
-    "INDEX_DTYPES",
-    "VALUE_DTYPES",
-    "Partition",
-    "coalesce_rows",
-    "partition_rows",
-    "row_owners",
-    "gather_rows",
-    "scatter_add_rows",
-    "coalesce_partition_rows",
-    "pack_rows",
-    "coalesce_segments",
-    "rowwise_adagrad_",
-    "PooledPlan",
-    "empty_rows",
-    "group_by",
-    "bag_groups",
-    "unique_inverse",
-    "pooled_request",
-]
+# Each job module's public names (its __all__): a new op in a module is exported without an edit here.
+__all__ = ["INDEX_DTYPES", "VALUE_DTYPES"]
+__all__ += _rows.__all__
+__all__ += _pooled.__all__
+__all__ += _wire.__all__
