@@ -104,7 +104,7 @@ result = [big.full_weight() if plan.sharded() else big.weight.detach().clone(), 
 ''',
         same_on_every_rank=True,
     ),
-    Snippet(  # README "In a DDP model"
+    Snippet(  # README "In a DDP model: sparsecomm.register"
         marker="state = sparsecomm.register(ddp)",
         prelude='''
 class MyModel(nn.Module):
@@ -127,7 +127,31 @@ result = [p.detach().clone() for p in model.parameters()]  # replicas must agree
 ''',
         same_on_every_rank=True,
     ),
-    Snippet(  # README "The standalone collective"
+    Snippet(  # docs/HOOK.md "register, the PyTorch way"
+        marker="ddp.register_comm_hook(state, sparsecomm.sparsecomm_hook)",
+        prelude='''
+class MyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(2000, 16, mode="sum", sparse=True)
+        self.mlp = nn.Linear(16, 1)
+    def forward(self, ids):
+        return self.mlp(self.emb(ids))
+
+torch.manual_seed(0)
+model = MyModel()
+''',
+        check='''
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ids = torch.randint(0, 2000, (32, 4), generator=torch.Generator().manual_seed(400 + RANK))
+for _ in range(3):
+    opt.zero_grad(); ddp(ids).pow(2).mean().backward(); opt.step()
+assert state.iteration == 3 and state.config.fuse_dense and "emb.weight" in state.decisions, state.summary()
+result = [p.detach().clone() for p in model.parameters()]  # replicas must agree
+''',
+        same_on_every_rank=True,
+    ),
+    Snippet(  # docs/HOOK.md "The collective under the hook"
         marker="out = sparsecomm.sparse_allreduce(grad, op=\"avg\")",
         prelude='''
 def grad_of(rank, seed, rows=500, dim=4):
@@ -150,7 +174,7 @@ for i, o in enumerate(outs, start=1):
     torch.testing.assert_close(o.to_dense(), total(i) / N)
 ''',
     ),
-    Snippet(  # README "Sharded (parameter-server) embeddings"
+    Snippet(  # README "Sharded tables by hand"
         marker="self.bags = sparsecomm.ShardedEmbeddingBag(",
         prelude='''
 torch.manual_seed(0)
