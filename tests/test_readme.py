@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs, as written, on 2 real ranks: the README cannot drift.
+"""Every ```python block of README.md and docs/*.md runs, as written, on 2 real ranks: the docs cannot drift.
 
 Each block is matched to one :class:`Snippet` below by a line it contains.
 The snippet's ``prelude`` defines what the README leaves to the reader
@@ -7,7 +7,7 @@ fresh namespace, and ``check`` asserts what the block promises (the loss goes
 down, replicas agree, the sums are right). A block with no snippet fails the
 test, and so does a snippet whose block is gone.
 
-**Adding a README block**: add one ``Snippet(marker=..., prelude=..., check=...)``
+**Adding a block** (to the README or a page of docs/): add one ``Snippet(marker=..., prelude=..., check=...)``
 to ``SNIPPETS``: ``marker`` a line unique to the block, the prelude defining its
 placeholders, the check asserting its result (it may set ``result``, a list of
 tensors compared across ranks when ``same_on_every_rank``).
@@ -31,13 +31,16 @@ import pytest
 
 from distributed import run_ranks
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# The pages whose python blocks run: the README and every page of docs/.
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 WORLD = 2
 
 
 @dataclass(frozen=True)
 class Snippet:
-    """How to run one README block.
+    """How to run one block of the README or of a docs page.
 
     Attributes:
         marker: a line (or part of one) that only this block contains.
@@ -101,7 +104,7 @@ result = [big.full_weight() if plan.sharded() else big.weight.detach().clone(), 
 ''',
         same_on_every_rank=True,
     ),
-    Snippet(  # README "In a DDP model"
+    Snippet(  # README "In a DDP model: sparsecomm.register"
         marker="state = sparsecomm.register(ddp)",
         prelude='''
 class MyModel(nn.Module):
@@ -124,7 +127,31 @@ result = [p.detach().clone() for p in model.parameters()]  # replicas must agree
 ''',
         same_on_every_rank=True,
     ),
-    Snippet(  # README "The standalone collective"
+    Snippet(  # docs/HOOK.md "register, the PyTorch way"
+        marker="ddp.register_comm_hook(state, sparsecomm.sparsecomm_hook)",
+        prelude='''
+class MyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(2000, 16, mode="sum", sparse=True)
+        self.mlp = nn.Linear(16, 1)
+    def forward(self, ids):
+        return self.mlp(self.emb(ids))
+
+torch.manual_seed(0)
+model = MyModel()
+''',
+        check='''
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ids = torch.randint(0, 2000, (32, 4), generator=torch.Generator().manual_seed(400 + RANK))
+for _ in range(3):
+    opt.zero_grad(); ddp(ids).pow(2).mean().backward(); opt.step()
+assert state.iteration == 3 and state.config.fuse_dense and "emb.weight" in state.decisions, state.summary()
+result = [p.detach().clone() for p in model.parameters()]  # replicas must agree
+''',
+        same_on_every_rank=True,
+    ),
+    Snippet(  # docs/HOOK.md "The collective under the hook"
         marker="out = sparsecomm.sparse_allreduce(grad, op=\"avg\")",
         prelude='''
 def grad_of(rank, seed, rows=500, dim=4):
@@ -147,7 +174,7 @@ for i, o in enumerate(outs, start=1):
     torch.testing.assert_close(o.to_dense(), total(i) / N)
 ''',
     ),
-    Snippet(  # README "Sharded (parameter-server) embeddings"
+    Snippet(  # README "Sharded tables by hand"
         marker="self.bags = sparsecomm.ShardedEmbeddingBag(",
         prelude='''
 torch.manual_seed(0)
@@ -178,47 +205,58 @@ def python_blocks(text: str) -> List[Tuple[int, str]]:
     return blocks
 
 
-def match_blocks(text: str) -> List[Tuple[Snippet, int, str]]:
-    """Pair every README block with its snippet; fail on a block without one or a snippet without a block."""
+def page_blocks(pages: List[Path] = PAGES) -> List[Tuple[str, str]]:
+    """``("README.md:12", code)`` for every python block of ``pages``, in page order."""
+    return [(f"{page.relative_to(ROOT).as_posix()}:{line}", code)
+            for page in pages for line, code in python_blocks(page.read_text())]
+
+
+def match_blocks(blocks: List[Tuple[str, str]]) -> List[Tuple[Snippet, str, str]]:
+    """Pair every block with its snippet; fail on a block without one or a snippet without a block."""
     pairs = []
-    for line, code in python_blocks(text):
+    for where, code in blocks:
         found = [s for s in SNIPPETS if s.marker in code]
-        assert found, (f"README.md line {line}: a python block that tests/test_readme.py does not know how to "
+        assert found, (f"{where}: a python block that tests/test_readme.py does not know how to "
                        f"run; add a Snippet for it to SNIPPETS (a marker line, a prelude defining its "
                        f"placeholders, a check):\n{code}")
-        assert len(found) == 1, f"README.md line {line}: markers of several snippets match: {found}"
-        pairs.append((found[0], line, code))
+        assert len(found) == 1, f"{where}: markers of several snippets match: {found}"
+        pairs.append((found[0], where, code))
     stale = [s.marker for s in SNIPPETS if s not in [p[0] for p in pairs]]
-    assert not stale, f"snippets whose README block is gone (remove or update them): {stale}"
+    assert not stale, f"snippets whose block is gone from README.md and docs/ (remove or update them): {stale}"
     return pairs
 
 
-def _run_blocks(rank: int, world: int, blocks: List[Tuple[Snippet, int, str]], workdir: str) -> Dict[int, object]:
+def _run_blocks(rank: int, world: int, blocks: List[Tuple[Snippet, str, str]], workdir: str) -> Dict[str, object]:
     import sparsecomm
 
     os.chdir(workdir)  # the blocks write relative paths (ckpt/)
     results = {}
-    for snippet, line, code in blocks:
+    for snippet, where, code in blocks:
         calls = []
         sparsecomm.shutdown = lambda: calls.append(1)  # keep the group for the next block; count the call
-        ns = {"__name__": f"readme_line_{line}", "os": os}
-        exec(compile(COMMON + snippet.prelude, f"<prelude of README.md:{line}>", "exec"), ns)
-        exec(compile(code, f"README.md:{line}", "exec"), ns)
+        ns = {"__name__": "block_" + re.sub(r"\W", "_", where), "os": os}
+        exec(compile(COMMON + snippet.prelude, f"<prelude of {where}>", "exec"), ns)
+        exec(compile(code, where, "exec"), ns)
         ns["shutdown_calls"] = len(calls)
-        exec(compile(snippet.check, f"<check of README.md:{line}>", "exec"), ns)
-        results[line] = ns.get("result")
+        exec(compile(snippet.check, f"<check of {where}>", "exec"), ns)
+        results[where] = ns.get("result")
     return results
 
 
 def test_every_python_block_has_a_snippet():
-    blocks = match_blocks(README.read_text())
+    blocks = match_blocks(page_blocks())
     assert len(blocks) == len(SNIPPETS)
 
 
+def test_the_docs_pages_are_scanned():
+    names = [p.relative_to(ROOT).as_posix() for p in PAGES]
+    assert names[0] == "README.md" and {"docs/INSTALL.md", "docs/BENCHMARKS.md", "docs/DESIGN.md"} <= set(names), names
+
+
 def test_an_unknown_block_fails_with_what_to_do():
-    text = README.read_text() + "\n```python\nsparsecomm.something_new()\n```\n"
-    with pytest.raises(AssertionError, match="does not know how to run; add a Snippet"):
-        match_blocks(text)
+    blocks = page_blocks() + [("docs/NEW.md:3", "sparsecomm.something_new()\n")]
+    with pytest.raises(AssertionError, match="docs/NEW.md:3: .*does not know how to run; add a Snippet"):
+        match_blocks(blocks)
     # Indented blocks (inside a list item) count too.
     assert python_blocks("- item\n\n  ```python\n  x = 1\n  ```\n") == [(3, "x = 1\n")]
 
@@ -226,21 +264,21 @@ def test_an_unknown_block_fails_with_what_to_do():
 def _run_on_two_ranks(tmp_path, slow: bool) -> None:
     import torch
 
-    blocks = [b for b in match_blocks(README.read_text()) if b[0].slow == slow]
+    blocks = [b for b in match_blocks(page_blocks()) if b[0].slow == slow]
     assert blocks
     results = run_ranks(WORLD, _run_blocks, blocks, str(tmp_path), env={"OMP_NUM_THREADS": "1"})
-    for snippet, line, _ in blocks:
+    for snippet, where, _ in blocks:
         if snippet.same_on_every_rank:
-            first = results[0][line]
+            first = results[0][where]
             for r in range(1, WORLD):
-                other = results[r][line]
-                assert all(torch.equal(a, b) for a, b in zip(first, other)), f"README.md:{line}: ranks differ"
+                other = results[r][where]
+                assert all(torch.equal(a, b) for a, b in zip(first, other)), f"{where}: ranks differ"
 
 
-def test_readme_python_blocks_run_on_two_ranks(tmp_path):
+def test_python_blocks_run_on_two_ranks(tmp_path):
     _run_on_two_ranks(tmp_path, slow=False)
 
 
 @pytest.mark.slow
-def test_readme_slow_python_blocks_run_on_two_ranks(tmp_path):
+def test_slow_python_blocks_run_on_two_ranks(tmp_path):
     _run_on_two_ranks(tmp_path, slow=True)
