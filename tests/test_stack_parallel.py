@@ -11,6 +11,8 @@ training on the whole batch, or plain DDP under ``Join`` on a replicated
 twin). A case that hung would fail at the collective timeout.
 """
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -124,19 +126,64 @@ def _join(rank, world, name, short):
     batches = [rank_batch(rank, step) for step in range(steps)]
     ddp, opt = parallel(world, name)
     reference = DDP(Net(sparse=False), find_unused_parameters=True)  # rank 1 uses two tables less
+    before = copy.deepcopy(reference.module)
     ref_opt = OPTIMIZERS[name][0](reference.parameters(), **OPTIMIZERS[name][1])
     for model, optimizer in ((ddp, opt), (reference, ref_opt)):
         with Join([model]):
             train(model, optimizer, batches)
     diff = max_diff(ddp, reference.module)
     assert diff < TOL, (name, diff)
+    assert max_diff(ddp, before) > 1e-3  # it trained
+    return diff
+
+
+class ShardedNet(nn.Module):
+    """A standalone sharded table (an eager round per lookup) beside an MLP under DDP with the hook."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.user = sharded.ShardedEmbedding.from_pretrained(weight, freeze=False)
+        self.mlp = nn.Sequential(nn.Linear(D, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+
+    def forward(self, b):
+        return self.mlp(torch.tanh(self.user(b["user"]))).squeeze(1)
+
+
+def _join_fused_deferred(rank, world, short):
+    """``sparsecomm.register`` with a standalone sharded table whose optimizer updates in backward and sends
+    the gradient with the next request (``fused=True, defer=True``): the joined rank's shadow carries it too."""
+    steps = STEPS + 1 - (short if rank == world - 1 else 0)
+    batches = [rank_batch(rank, step) for step in range(steps)]
+    reference = Net(sparse=False)
+    model = ShardedNet(reference.user.weight.detach())
+    model.mlp.load_state_dict(reference.mlp.state_dict())
+    ours = DDP(model)
+    sparsecomm.register(ours)
+    opts = [torch.optim.SGD(model.mlp.parameters(), lr=0.3), sharded.ShardedSGD(model, lr=0.3, fused=True, defer=True)]
+    ref = DDP(nn.ModuleDict({"user": reference.user, "mlp": reference.mlp}))
+    ref.module.forward = lambda b: ref.module["mlp"](torch.tanh(ref.module["user"](b["user"]))).squeeze(1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.3)
+    with Join([ours]):
+        for b in batches:
+            for o in opts:
+                o.zero_grad()
+            loss_of(ours, b).backward()
+            for o in opts:
+                o.step()
+    with Join([ref]):
+        train(ref, ref_opt, batches)
+    start = ShardedNet(Net(sparse=False).user.weight.detach())
+    full = model.user.full_weight()
+    diff = max(float((full - reference.user.weight).abs().max()),
+               max(float((a - b).abs().max()) for a, b in zip(model.mlp.parameters(), reference.mlp.parameters())))
+    assert diff < TOL and float((full - start.user.full_weight()).abs().max()) > 1e-3, diff  # equal, and trained
     return diff
 
 
 CASES = [(f"{kind}-{name}", fn, (name, arg)) for name in OPTIMIZERS for kind, fn, arg in
          (("static-graph", _rank_dependent, {"static_graph": True}),
           ("rank-dependent-graph", _rank_dependent, {"find_unused_parameters": False}),
-          ("join-two-short", _join, 2))]
+          ("join-two-short", _join, 2))] + [("join-fused-deferred", _join_fused_deferred, (2,))]
 
 
 def _all_cases(rank, world):

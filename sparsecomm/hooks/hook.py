@@ -114,7 +114,11 @@ def _open_step(state: SparseCommState) -> _Mode:
     mode = _Mode.JOINED if backward is None else _Mode.GRAPH if in_graph() else _Mode.CALLBACK
     if state.step.open(backward):
         if mode is _Mode.JOINED:
-            state.shadow_join()  # the peers' sharded rounds come before the hook's sync
+            try:
+                state.shadow_join()  # the peers' sharded rounds come before the hook's sync
+            except BaseException:
+                state.step.close()  # the next shadowed step starts afresh
+                raise
             return mode
         if mode is _Mode.GRAPH:
             # After every collective of the graph (sharded pushes) on every rank, before DDP's finalize.

@@ -101,10 +101,11 @@ class SparseCommState:
         process_group: the DDP model's group (default group when None).
         model: the DDP model (or its module), to name parameters in logs and
             overrides, find dense-gradient embeddings, and keep embeddings that
-            a step does not use from breaking DDP (a forward hook). Without
-            it, all sparse buckets of a step are still synchronized together
-            (at the step's last bucket), but a sparse table unused in a step
-            fails inside DDP as it does without the hook.
+            a step does not use from breaking DDP (a forward hook), and,
+            under ``Join``, find the model's sharded tables for a joined
+            rank to shadow. Without it, all sparse buckets of a step are
+            still synchronized together, but a sparse table unused in a
+            step fails inside DDP as it does without the hook.
         config: the tunable settings (:class:`HookConfig`; default: its defaults).
         **options: :class:`HookConfig` fields (``compression="bf16"``, ...),
             applied over ``config``.
