@@ -51,9 +51,9 @@ class HookConfig:
         history: how many past steps of per-path counters to keep.
         overlap_sparse: run the step's fused synchronization on the hook
             group's worker thread; False (default) runs it on the autograd
-            thread: it starts at the step's last bucket, so nothing is left
-            to overlap and the thread hop only adds latency. Either way only
-            one thread ever uses the hook's group.
+            thread: it starts once the backward's graph has run, so nothing
+            is left to overlap and the thread hop only adds latency. Either
+            way only one thread ever uses the hook's group.
         fuse_dense: let small dense buckets ride in the step's sparse
             exchange (every rank sends its bucket to every rank, which sums
             them in rank order) instead of an allreduce of their own, where

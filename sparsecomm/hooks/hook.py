@@ -7,12 +7,36 @@ settings and counters live in :class:`~sparsecomm.hooks.state.SparseCommState`.
 DDP gives every sparse parameter a bucket of its own and calls the hook once
 per bucket, in bucket order, on every rank. Instead of one synchronization
 (four collectives) per table, the hook holds the sparse buckets of a step and
-synchronizes them together with :func:`sparse_allreduce_coalesced` at the
-step's last bucket: four collectives per step whatever the number of tables,
-two when every table takes the allgather path. Small dense buckets ride in the
-same exchange (see ``HookConfig.fuse_dense``). DDP only waits for the
-futures after the last bucket's hook; embeddings are the last gradients
-backward produces, so holding them costs (almost) no overlap.
+synchronizes them together with :func:`sparse_allreduce_coalesced`: four
+collectives per step whatever the number of tables, two when every table
+takes the allgather path. Small dense buckets ride in the same exchange (see
+``HookConfig.fuse_dense``). DDP only waits for the futures in its finalize,
+after the graph; embeddings are the last gradients backward produces, so
+holding them costs (almost) no overlap.
+
+When the fused sync runs depends on where DDP calls the hook from:
+
+- from the backward's graph (a bucket became ready): once the graph has run,
+  from the engine callback of :mod:`sparsecomm.collectives.step_order`, after
+  the sharded tables' gradient pushes and before DDP's finalize. Every rank
+  then issues it at the same point, whatever the order in which its graph
+  made the gradients ready (a table unused on one rank, a sharded table
+  beside a replicated one);
+- from DDP's first ``static_graph=True`` iteration, which calls the hook for
+  every bucket from an engine callback, each with ``index() == 0`` and none
+  ``is_last()``, and waits for the futures right after: each bucket at once;
+- from DDP's ``Join`` hook on a rank that ran out of inputs (no backward
+  pass, zero buckets in the peers' order): that rank first shadows its
+  peers' sharded lookup rounds (:class:`~sparsecomm.collectives.step_order.JoinShadow`),
+  then joins the fused sync at the last bucket with empty tensors.
+
+Errors reach the user with their own type and message. A Future completed
+with ``set_exception`` reaches DDP's C++ reducer as a *value* ("Unable to
+cast ... to Tensor"), so the hook completes every future with a tensor
+(the local one when the sync failed), records the error, and raises it when
+the step closes: from ``loss.backward()`` after DDP's finalize (the model
+stays usable; the failed gradients are reset to None), or from the joined
+rank's last bucket.
 
 Example::
 
@@ -23,8 +47,9 @@ Example::
 
 # No `from __future__ import annotations`: DDP checks that the hook's bucket
 # annotation *is* dist.GradBucket, which string annotations fail.
+import enum
 import time
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,10 +58,11 @@ import torch.nn as nn
 from sparsecomm.collectives.dense import COMPRESSION_DTYPES, all_finite, allreduce_mean_async, ring_allreduce_bytes
 from sparsecomm.collectives.groups import run_async
 from sparsecomm.collectives.sparse import sparse_allreduce_coalesced
+from sparsecomm.collectives.step_order import SYNC, after_backward, at_backward_end, current_backward, in_graph
 from sparsecomm.hooks.dense_rows import dense_embedding_slices, nonzero_rows, param_name, write_rows
 from sparsecomm.hooks.state import SparseCommState
 from sparsecomm.hooks.step import PendingSync
-from sparsecomm.hooks.unused import queue_cleanup
+from sparsecomm.hooks.unused import clear_empty_grads
 from sparsecomm.types import SparseSyncStats, SyncMethod
 
 __all__ = ["sparsecomm_hook", "register"]
@@ -44,6 +70,14 @@ __all__ = ["sparsecomm_hook", "register"]
 DENSE = "dense"
 DENSE_FUSED = "dense-fused"
 SPARSE_ROWS = "dense-embedding-rows"
+
+
+class _Mode(enum.Enum):
+    """Where DDP calls the hook from."""
+
+    GRAPH = "graph"        # a backward's graph (a gradient became ready): sync once the graph has run
+    CALLBACK = "callback"  # the engine's final callbacks (DDP's first static-graph iteration): sync each bucket now
+    JOINED = "joined"      # no backward: a rank that joined (uneven inputs) shadows its peers' collectives
 
 
 def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -55,28 +89,70 @@ def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.fu
 
     Returns:
         A Future of the averaged bucket (a coalesced sparse tensor for sparse buckets).
+
+    Raises:
+        Exception: on a joined rank, the step's error (inside a backward
+            pass, it is raised from ``loss.backward()`` once DDP has finalized).
     """
     buffer = bucket.buffer()
+    mode = _open_step(state)
     fut = _sparse_bucket(state, bucket, buffer) if buffer.is_sparse else _dense_bucket(state, bucket, buffer)
-    if state.step.has_held and bucket.is_last():
+    state.step.track(fut)
+    if mode is _Mode.CALLBACK:
+        # Every bucket arrives with index 0 and none is last, and DDP's finalize waits for the
+        # futures right after the last one: nothing can wait for a later bucket.
         _flush(state)
-    if bucket.is_last():
-        # Counters close when all of the step's work has completed.
-        futures = state.step.take_futures()
-
-        def close(f: torch.futures.Future) -> torch.Tensor:
-            state.end_step()
-            return f.value()[0].value()
-
-        return torch.futures.collect_all([fut, *futures]).then(close)
+    elif mode is _Mode.JOINED and bucket.is_last():
+        _flush(state, wait=True)
+        _close(state, joined=True)
     return fut
+
+
+def _open_step(state: SparseCommState) -> _Mode:
+    """Where the hook runs; at a step's first bucket, schedule the step's fused sync and its close."""
+    backward = current_backward()
+    mode = _Mode.JOINED if backward is None else _Mode.GRAPH if in_graph() else _Mode.CALLBACK
+    if state.step.open(backward):
+        if mode is _Mode.JOINED:
+            try:
+                state.shadow_join()  # the peers' sharded rounds come before the hook's sync
+            except BaseException:
+                state.step.close()  # the next shadowed step starts afresh
+                raise
+            return mode
+        if mode is _Mode.GRAPH:
+            # After every collective of the graph (sharded pushes) on every rank, before DDP's finalize.
+            at_backward_end(SYNC, (), lambda: _flush(state))
+        after_backward(lambda: _close(state))
+    return mode
+
+
+def _close(state: SparseCommState, joined: bool = False) -> None:
+    """End the step (after DDP's finalize, or a joined rank's last bucket): counters, empty tables, its error."""
+    step = state.step
+    futures = step.take_futures()
+    if joined:  # DDP waits for the futures after the last bucket: the dense allreduces' errors must be in
+        torch.futures.wait_all(futures)
+    closed = step.close()
+    if not joined:  # a joined rank's DDP assigns no gradient
+        if step.claim_cleanup():
+            clear_empty_grads(step.end_cleanup())
+        for p in closed.failed:  # not synchronized: nothing to step with by mistake
+            p.grad = None
+    state.end_step()
+    if closed.error is not None:
+        raise closed.error
+
+
+def _fail(state: SparseCommState, item: PendingSync, error: BaseException) -> None:
+    state.step.fail(error, item.params)
+    item.future.set_result(item.fallback if item.fallback is not None else item.grad)
 
 
 def _sparse_bucket(state: SparseCommState, bucket: dist.GradBucket, grad: torch.Tensor) -> torch.futures.Future:
     params = bucket.parameters()
     name = param_name(state, params[0], bucket, 0)
     method = state.method_for(name)
-    queue_cleanup(state.step)
 
     def finish(out: torch.Tensor) -> torch.Tensor:
         if out._nnz() == 0:
@@ -85,12 +161,19 @@ def _sparse_bucket(state: SparseCommState, bucket: dist.GradBucket, grad: torch.
             state.step.note_empty(params[0])
         return out
 
-    return state.step.hold(PendingSync(name, grad, method, method.value, state.next_call(name), finish))
+    return state.step.hold(PendingSync(name, grad, method, method.value, state.next_call(name), finish, params))
 
 
-def _flush(state: SparseCommState) -> None:
-    """Synchronize every sparse tensor held this step in one call; complete each one's future."""
+def _flush(state: SparseCommState, wait: bool = False) -> None:
+    """Synchronize every sparse tensor held this step in one call; complete each one's future.
+
+    A failure completes the futures with their fallback values and is
+    recorded: the step raises it when it closes (see :func:`_close`).
+    ``wait``: return only once the futures are complete.
+    """
     items = state.step.take_held()
+    if not items:
+        return
     tensors = [it.grad for it in items]
     stats = [SparseSyncStats() for _ in items]
     group = state.sparse_group
@@ -115,7 +198,7 @@ def _flush(state: SparseCommState) -> None:
         fut = torch.futures.Future()
         try:
             fut.set_result(job())
-        except Exception as exc:  # raised through DDP's backward like an async failure
+        except Exception as exc:  # delivered like an async failure
             fut.set_exception(exc)
 
     def deliver(f: torch.futures.Future) -> None:
@@ -123,7 +206,7 @@ def _flush(state: SparseCommState) -> None:
             outs = f.value()
         except Exception as exc:
             for it in items:
-                it.future.set_exception(exc)
+                _fail(state, it, exc)
             return
         share = (time.perf_counter() - start) / len(items)
         if allgather:
@@ -135,18 +218,22 @@ def _flush(state: SparseCommState) -> None:
                     state.maybe_decide(it.name, s, it.grad.element_size(), it.call, seconds=share)
                 value = it.finish(out)
             except Exception as exc:
-                it.future.set_exception(exc)
+                _fail(state, it, exc)
             else:
                 it.future.set_result(value)
 
     fut.add_done_callback(deliver)
+    if wait:
+        torch.futures.wait_all([it.future for it in items])
 
 
 def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future:
     start = time.perf_counter()
-    group, n = state.process_group, state.world_size
     slices = dense_embedding_slices(state, bucket, buffer)
-    if not slices and state.fuses_dense(buffer):
+    if slices:
+        return _dense_with_rows(state, bucket, buffer, slices, start)
+    params = bucket.parameters()
+    if state.fuses_dense(buffer):
         # A small bucket rides in the step's sparse exchange as one row every
         # rank sends to every rank: no collective of its own.
         row = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long, device=buffer.device), buffer.view(1, -1),
@@ -154,15 +241,34 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
         return state.step.hold(PendingSync(f"bucket{bucket.index()}", row, SyncMethod.ALLGATHER, DENSE_FUSED, 0,
                                            lambda out: _finish_dense(state, buffer.copy_(out._values().view(-1)),
                                                                      bucket, None, start),
-                                           decide=False))
-    if not slices:
-        fut = allreduce_mean_async(buffer, group, state.config.compression)
-        wire = COMPRESSION_DTYPES[state.config.compression]
-        elem = torch.empty(0, dtype=wire).element_size() if wire is not None else buffer.element_size()
-        nbytes = ring_allreduce_bytes(buffer.numel(), elem, n)
-        return fut.then(lambda f: _finish_dense(state, f.value(), bucket, nbytes, start))
-    # Embeddings with dense gradients: their non-zero rows join the step's
-    # sparse sync; everything else in the bucket goes through one allreduce.
+                                           params, buffer, decide=False))
+    fut = allreduce_mean_async(buffer, state.process_group, state.config.compression)
+    wire = COMPRESSION_DTYPES[state.config.compression]
+    elem = torch.empty(0, dtype=wire).element_size() if wire is not None else buffer.element_size()
+    nbytes = ring_allreduce_bytes(buffer.numel(), elem, state.world_size)
+    return _then(state, fut, params, buffer, lambda f: _finish_dense(state, f.value(), bucket, nbytes, start))
+
+
+def _then(state: SparseCommState, fut: torch.futures.Future, params: Sequence[torch.Tensor], buffer: torch.Tensor,
+          fn: Callable[[torch.futures.Future], torch.Tensor]) -> torch.futures.Future:
+    """``fut.then(fn)``, with an error of ``fn`` recorded for the step (raised when it closes) instead of
+    completing the future with it: DDP reads a failed future's error as its value ("Unable to cast")."""
+
+    def guarded(f: torch.futures.Future) -> torch.Tensor:
+        try:
+            return fn(f)
+        except Exception as exc:
+            state.step.fail(exc, params)
+            return buffer
+
+    return fut.then(guarded)
+
+
+def _dense_with_rows(state: SparseCommState, bucket: dist.GradBucket, buffer: torch.Tensor,
+                     slices: List[Tuple[str, int, int, int]], start: float) -> torch.futures.Future:
+    """Embeddings with dense gradients: their non-zero rows join the step's sparse sync; everything else in
+    the bucket goes through one allreduce."""
+    params = bucket.parameters()
     rest_parts, futs = [], []
     cursor = 0
     for name, offset, num_rows, dim in slices:
@@ -172,24 +278,22 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
         table = buffer[offset:cursor].view(num_rows, dim)
         futs.append(state.step.hold(PendingSync(name, nonzero_rows(table), SyncMethod.PARTITIONED, SPARSE_ROWS,
                                                 state.next_call(name), lambda out, table=table: write_rows(table, out),
-                                                decide=False)))
+                                                params, decide=False)))
     if cursor < buffer.numel():
         rest_parts.append((cursor, buffer.numel()))
     rest = torch.cat([buffer[a:b] for a, b in rest_parts]) if rest_parts else buffer.new_zeros(0)
-    futs.append(allreduce_mean_async(rest, group, state.config.compression))
+    futs.append(allreduce_mean_async(rest, state.process_group, state.config.compression))
 
     def combine(f: torch.futures.Future) -> torch.Tensor:
         reduced = f.value()[-1].value()
-        for x in f.value()[:-1]:
-            x.value()  # re-raise a failed sparse sync
         pos = 0
         for a, b in rest_parts:
             buffer[a:b].copy_(reduced[pos:pos + b - a])
             pos += b - a
-        nbytes = ring_allreduce_bytes(rest.numel(), rest.element_size(), n)
+        nbytes = ring_allreduce_bytes(rest.numel(), rest.element_size(), state.world_size)
         return _finish_dense(state, buffer, bucket, nbytes, start)
 
-    return torch.futures.collect_all(futs).then(combine)
+    return _then(state, torch.futures.collect_all(futs), params, buffer, combine)
 
 
 def _finish_dense(state: SparseCommState, result: torch.Tensor, bucket: dist.GradBucket, nbytes: Optional[int],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -22,6 +23,7 @@ from sparsecomm.collectives.dense import max_over_ranks, ring_allreduce_bytes
 from sparsecomm.collectives.groups import comm_device, node_groups, twin_group
 from sparsecomm.collectives.launchers import env_local_world_size
 from sparsecomm.collectives.probe import LinkProbe, measure_link
+from sparsecomm.collectives.step_order import JoinShadow
 from sparsecomm.hooks.classifier import Decision, choose_method, host_layout, method_costs
 from sparsecomm.hooks.config import HookConfig
 from sparsecomm.hooks.step import StepWork
@@ -99,10 +101,11 @@ class SparseCommState:
         process_group: the DDP model's group (default group when None).
         model: the DDP model (or its module), to name parameters in logs and
             overrides, find dense-gradient embeddings, and keep embeddings that
-            a step does not use from breaking DDP (a forward hook). Without
-            it, all sparse buckets of a step are still synchronized together
-            (at the step's last bucket), but a sparse table unused in a step
-            fails inside DDP as it does without the hook.
+            a step does not use from breaking DDP (a forward hook), and,
+            under ``Join``, find the model's sharded tables for a joined
+            rank to shadow. Without it, all sparse buckets of a step are
+            still synchronized together, but a sparse table unused in a
+            step fails inside DDP as it does without the hook.
         config: the tunable settings (:class:`HookConfig`; default: its defaults).
         **options: :class:`HookConfig` fields (``compression="bf16"``, ...),
             applied over ``config``.
@@ -124,7 +127,7 @@ class SparseCommState:
         # internal state
         "world_size", "local_world_size", "latency_bytes", "link", "_backend", "_sparse_group", "_tuners",
         "param_names", "dense_embedding_names", "decisions", "iteration", "_decided_at", "_calls", "_suggested",
-        "step", "_capacity", "_lock",
+        "step", "_capacity", "_lock", "_module",
         # statistics
         "stats", "step_stats", "history",
     )
@@ -165,6 +168,7 @@ class SparseCommState:
         else:
             self.latency_bytes = float(config.latency_bytes)
         self._tuners: Dict[str, MethodTuner] = {}
+        self._module: Optional[weakref.ref] = None
         self._init_runtime()
         self.param_names: Dict[int, str] = {}
         self.dense_embedding_names: Dict[str, Tuple[int, int]] = {}
@@ -213,6 +217,24 @@ class SparseCommState:
             if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and not mod.sparse:
                 self.dense_embedding_names[f"{mod_name}.weight" if mod_name else "weight"] = tuple(mod.weight.shape)
         self.step.clears_empty = install_unused_table_hook(module) > 0
+        self._module = weakref.ref(module)
+
+    def shadow_join(self) -> None:
+        """On a rank that joined (uneven inputs), take part in the collectives its peers' step makes outside DDP:
+        every lookup-round set of the model's sharded tables, in module order (collective).
+
+        The hook calls it at a joined rank's first shadowed bucket, before its own fused sync, which is
+        the order the peers' step issues them in.
+        """
+        module = self._module() if self._module is not None else None
+        if module is None:
+            return
+        seen = set()
+        for m in module.modules():
+            rounds = getattr(m, "table_set", None)
+            if isinstance(rounds, JoinShadow) and id(rounds) not in seen:
+                seen.add(id(rounds))
+                rounds.shadow_step()
 
     def summary(self) -> str:
         """Describe what the hook did so far, for a person: steps, bytes and time per path, each table's path.
@@ -250,7 +272,7 @@ class SparseCommState:
         # Like PowerSGDState: process groups do not pickle; the restored state
         # uses the default group. Parameter names are keyed by this process's
         # tensor addresses: call attach(model) again after unpickling.
-        skip = {"process_group", "_sparse_group", "step", "_capacity", "_lock", "param_names"}
+        skip = {"process_group", "_sparse_group", "step", "_capacity", "_lock", "param_names", "_module"}
         return {k: getattr(self, k) for k in self.__slots__ if k not in skip}
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -259,6 +281,7 @@ class SparseCommState:
         self.process_group = None
         self._sparse_group = None  # created on first use (a collective), not while unpickling
         self.param_names = {}
+        self._module = None
         self._init_runtime()
 
     # ------------------------------------------------------------- decisions

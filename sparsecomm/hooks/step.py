@@ -1,29 +1,36 @@
 """What one backward pass of the DDP hook has in flight (:class:`StepWork`), owned by its state.
 
-The hook holds a step's sparse buckets and synchronizes them together at the
-step's last bucket (:mod:`sparsecomm.hooks.hook`); the step closes when all
-of their futures have completed; tables that no rank touched get their
-``.grad`` reset after DDP's finalize (:mod:`sparsecomm.hooks.unused`). This
+The hook holds a step's sparse buckets and synchronizes them together once
+the backward's graph has run (:mod:`sparsecomm.hooks.hook`,
+:mod:`sparsecomm.collectives.step_order`); the step closes after DDP's
+finalize: tables that no rank touched get their ``.grad`` reset
+(:mod:`sparsecomm.hooks.unused`), and an error of the step is raised. This
 module is that bookkeeping, behind methods, so no module mutates another's
 fields. It is runtime only: a pickled state does not carry it.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, List
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from sparsecomm.types import SyncMethod
 
-__all__ = ["PendingSync", "StepWork"]
+__all__ = ["PendingSync", "StepWork", "ClosedStep"]
 
 
 @dataclass
 class PendingSync:
-    """One sparse tensor waiting for the step's fused synchronization."""
+    """One sparse tensor waiting for the step's fused synchronization.
+
+    ``params`` are the parameters whose gradients it feeds and ``fallback``
+    the bucket future's value when the sync fails (the step's error is then
+    raised when it closes, and those gradients are reset to None).
+    """
 
     name: str
     grad: torch.Tensor
@@ -31,12 +38,23 @@ class PendingSync:
     path: str                                   # counter name
     call: int                                   # this parameter's sync count (classifier timing)
     finish: Callable[[torch.Tensor], Any]       # reduced tensor -> the bucket future's value
+    params: Sequence[torch.Tensor] = ()
+    fallback: Optional[torch.Tensor] = None
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
     decide: bool = True
 
 
+class ClosedStep(NamedTuple):
+    """What a step leaves when it closes."""
+
+    error: Optional[BaseException]      # the step's first error, raised by the hook
+    failed: List[torch.Tensor]          # parameters whose synchronized gradient is missing (that error)
+
+
 class StepWork:
-    """One backward's bookkeeping: the sparse work held for the fused sync, its futures, tables left empty.
+    """One backward's bookkeeping: the sparse work held for the fused sync, tables left empty, its error.
+
+    A step opens at its first bucket (:meth:`open`) and closes once (:meth:`close`).
 
     Attributes:
         clears_empty: whether tables no rank touched get ``.grad = None``
@@ -44,14 +62,65 @@ class StepWork:
             hook covers them).
     """
 
-    __slots__ = ("clears_empty", "_held", "_futures", "_empty", "_cleanup_queued")
+    __slots__ = ("clears_empty", "_held", "_futures", "_empty", "_cleanup_queued", "_task", "_open", "_lock",
+                 "_error", "_failed")
 
     def __init__(self) -> None:
         self.clears_empty = False
-        self._held: List[PendingSync] = []                # synchronized together at the step's last bucket
-        self._futures: List[torch.futures.Future] = []    # the step closes after all of them
+        self._lock = threading.Lock()   # errors arrive from the backend's and the worker's threads
+        self._task: Optional[int] = None
+        self._open = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._held: List[PendingSync] = []                # synchronized together once the graph has run
+        self._futures: List[torch.futures.Future] = []    # what the hook returned this step
         self._empty: List[nn.Parameter] = []              # tables whose synchronized gradient has no row
         self._cleanup_queued = False
+        self._error: Optional[BaseException] = None
+        self._failed: List[torch.Tensor] = []
+
+    # ------------------------------------------------------------ the step
+
+    def open(self, backward: Optional[int]) -> bool:
+        """Open the step of backward pass ``backward`` (None: a joined rank's shadow); True at its first bucket.
+
+        A step that never closed (its backward stopped on an error before the
+        hook's jobs ran) is forgotten: its work cannot complete any more.
+        """
+        if self._open and self._task == backward:
+            return False
+        with self._lock:
+            self._reset()
+        self._task, self._open = backward, True
+        return True
+
+    def close(self) -> ClosedStep:
+        """Close the step: its error and failed gradients (the empty tables: :meth:`end_cleanup`). The next
+        bucket opens a new step."""
+        with self._lock:
+            closed = ClosedStep(self._error, self._failed)
+            self._error, self._failed = None, []
+        self._open = False
+        return closed
+
+    def track(self, future: torch.futures.Future) -> None:
+        """Count ``future`` (a bucket's) among the step's futures (held work's are counted by :meth:`hold`)."""
+        if not any(f is future for f in self._futures):
+            self._futures.append(future)
+
+    def take_futures(self) -> List[torch.futures.Future]:
+        """The futures of the step's work, in bucket order; the next step starts empty."""
+        futures, self._futures = self._futures, []
+        return futures
+
+    def fail(self, error: BaseException, params: Sequence[torch.Tensor]) -> None:
+        """Record an error of the step (the first one is raised at its close) and the parameters it leaves
+        without a synchronized gradient. Thread-safe."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._failed.extend(params)
 
     # ------------------------------------------------------------ fused sync
 
@@ -71,11 +140,6 @@ class StepWork:
         items, self._held = self._held, []
         return items
 
-    def take_futures(self) -> List[torch.futures.Future]:
-        """The futures of the step's held work (the step closes after them); the next step starts empty."""
-        futures, self._futures = self._futures, []
-        return futures
-
     # ------------------------------------------------------- unused tables
 
     def note_empty(self, param: nn.Parameter) -> None:
@@ -83,14 +147,14 @@ class StepWork:
         self._empty.append(param)
 
     def claim_cleanup(self) -> bool:
-        """True once per backward where tables are cleared: the caller queues the cleanup then."""
+        """True once per step where tables are cleared (:attr:`clears_empty`): the caller clears them then."""
         if not self.clears_empty or self._cleanup_queued:
             return False
         self._cleanup_queued = True
         return True
 
     def end_cleanup(self) -> List[nn.Parameter]:
-        """The tables noted empty this backward; the next backward may queue its cleanup again."""
+        """The tables noted empty this step; the next step may claim its cleanup again."""
         empty, self._empty = self._empty, []
         self._cleanup_queued = False
         return empty

@@ -29,75 +29,48 @@ in :mod:`~sparsecomm.sharded.owner`, who pools a bag lookup in
 :mod:`~sparsecomm.sharded.pooling`. It uses the tables through
 :class:`~sparsecomm.sharded.protocol.LookupTable` only.
 
+The push runs once the backward's graph has run, not where autograd
+reaches the round: every rank then pushes its rounds in round order, before
+the DDP hook's fused sync, whatever order its own graph produced the
+gradients in (:mod:`sparsecomm.collectives.step_order`); the shards'
+gradients land in ``local_weight.grad`` there, before ``backward()``
+returns. A rank that ran out of inputs under ``Join`` takes part in its
+peers' rounds with none of its own (:meth:`TableSet.shadow_step`).
+
 Contract (as DDP's): ranks run the same code path, so their rounds hold the
 same tables in the same order (checked: a mismatch raises on every rank);
 every rank runs backward through a round whose results any rank
-differentiates. A lookup whose result gets no gradient while others of its
-round do sends zero rows (lazy optimizers then see a zero gradient for those rows).
+differentiates (a lazy set's forward hook anchors its rounds to the model's
+output, so a round one rank's loss does not use still pushes there). A
+lookup whose result gets no gradient while others of its round do sends
+zero rows (lazy optimizers then see a zero gradient for those rows).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from sparsecomm.collectives.sharded_exchange import (Carry, PendingRequest, Routes, exchange_rows, finish_request,
-                                                     pull_rows, start_request, world)
-from sparsecomm.collectives.sharded_wire import InputStatus
+from sparsecomm.collectives.sharded_exchange import (Routes, exchange_rows, finish_request, pull_rows, start_request,
+                                                     world)
+from sparsecomm.collectives.step_order import PUSH, at_backward_end, current_backward
 from sparsecomm.sharded.hot import sync_hot_gradients
+from sparsecomm.sharded.inputs import bad_input
 from sparsecomm.sharded.owner import owner_gradients, serve
 from sparsecomm.sharded.pending import Lookup, PendingLookup
 from sparsecomm.sharded.pooling import PoolingChoice
 from sparsecomm.sharded.protocol import LookupTable
 from sparsecomm.sharded.requester import TableRound, gradient_rows, pooled_request, rows_request
+from sparsecomm.sharded.round_state import DeferredPush, RoundState
 from sparsecomm.types import SparseSyncStats
 
 __all__ = ["TableSet", "RoundState"]
 
 # Beyond this many ids per owner, a second all-to-all costs less than the padding could.
 _MAX_CAPACITY = 1 << 16
-
-
-class _Deferred(NamedTuple):
-    """A round's gradient rows whose push waits for the next round's request (optimizers with ``defer=True``)."""
-
-    tables: List[TableRound]      # the round's owner-side records (where each gradient row goes)
-    pushing: List[bool]           # per table: whether it gets a gradient (the same on every rank)
-    routes: Routes                # the round's routes: rows_send / rows_recv count the gradient rows per peer
-    rows: List[torch.Tensor]      # per table, the gradient rows, those for each owner consecutive
-
-    def carry(self) -> Carry:
-        """The rows as a request carries them."""
-        return Carry(self.rows, self.routes.rows_send, self.routes.rows_recv)
-
-
-@dataclass
-class RoundState:
-    """One round from its request to its rows (what prefetch, flush and the round's autograd pass along).
-
-    Attributes:
-        lookups: the round's lookups, in submission order.
-        status: the first bad input among them, or OK (then every rank raises when the round runs).
-        grad: whether any lookup records autograd (the round then awaits its backward).
-        tables: per table of the set, what the round keeps of it (made with the request).
-        pending: the started request, until the round finishes it.
-        deferred: an earlier backward's gradient rows that ride in this round's request.
-    """
-
-    lookups: List[Lookup]
-    status: InputStatus = InputStatus()
-    grad: bool = False
-    tables: List[TableRound] = field(default_factory=list)
-    pending: Optional[PendingRequest] = None
-    deferred: Optional[_Deferred] = None
-
-    @classmethod
-    def of(cls, lookups: Sequence[Lookup]) -> "RoundState":
-        bad = next((lk.status for lk in lookups if not lk.status.ok), None)
-        return cls(list(lookups), bad or InputStatus())
 
 
 class _Awaiting:
@@ -119,13 +92,14 @@ class _Awaiting:
 
 
 class _Round(torch.autograd.Function):
-    """One round: every table's unique rows from their owners; backward pushes their gradients in one exchange."""
+    """One round: every table's unique rows from their owners; backward pushes their gradients in one exchange,
+    once the backward's graph has run (:meth:`TableSet.push_after_graph`)."""
 
     @staticmethod
     def forward(ctx, table_set: "TableSet", state: RoundState, *weights: torch.Tensor):
         start = time.perf_counter()
         rows, routes, tables = table_set._pull(state)
-        ctx.table_set, ctx.routes, ctx.tables = table_set, routes, tables
+        ctx.table_set, ctx.routes, ctx.tables, ctx.round = table_set, routes, tables, table_set.rounds
         ctx.awaiting = _Awaiting(table_set) if state.grad else None
         ctx.pull_seconds = time.perf_counter() - start
         ctx.set_materialize_grads(False)
@@ -133,12 +107,10 @@ class _Round(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        start = time.perf_counter()
         if ctx.awaiting is not None:
             ctx.awaiting.close()
-        out = ctx.table_set._push(ctx.routes, ctx.tables, grads)
-        ctx.table_set._record(ctx.tables, ctx.pull_seconds + time.perf_counter() - start)
-        return (None, None, *out)
+        ctx.table_set.push_after_graph(ctx.round, ctx.routes, ctx.tables, grads, ctx.pull_seconds)
+        return (None, None, *[None] * len(grads))  # the shards' gradients land in the push
 
 
 class TableSet:
@@ -182,9 +154,15 @@ class TableSet:
         # as they are, since those rounds' gradients are addressed to positions in them.
         self._awaiting = 0
         # A backward's gradient rows not pushed yet: they ride in the next round's request (or push_deferred()).
-        self._deferred: Optional[_Deferred] = None
+        self._deferred: Optional[DeferredPush] = None
         # The model's forward hook that runs the open round (a lazy set made by group_tables), or None.
         self.hook: Optional[torch.utils.hooks.RemovableHandle] = None
+        # With a forward hook: the results of this forward's rounds that record autograd, for it to anchor.
+        self._forward_rows: List[torch.Tensor] = []
+        # Per round since the last backward, whether it recorded autograd; the last step's, for a joined rank.
+        self._step_rounds: List[bool] = []
+        self._last_step: Optional[List[bool]] = None
+        self._step_backward: Optional[int] = None   # the backward whose pushes end the current step
 
     def prefetch(self, lookups: Sequence[Lookup]) -> None:
         """Start the id exchange of a round now, in the background (collective: every rank prefetches alike).
@@ -225,6 +203,9 @@ class TableSet:
         state.grad = any(lk.grad_enabled for lk in lookups)
         with torch.set_grad_enabled(state.grad):
             rows = _Round.apply(self, state, *[t.local_weight for t in self.tables])
+        self._step_rounds.append(state.grad)
+        if self.hook is not None:
+            self._forward_rows.extend(r for r in rows if r.requires_grad)
         seen: Dict[int, int] = {}
         for lk in lookups:
             i = self._index[id(lk.table)]
@@ -235,6 +216,12 @@ class TableSet:
             with torch.set_grad_enabled(lk.grad_enabled):
                 lk.result = info.result(rows[i], lk, nth)
             info.finish_seconds += time.perf_counter() - start
+
+    def take_forward_rows(self) -> List[torch.Tensor]:
+        """The results of the rounds since the last call that record autograd (the forward hook of
+        ``group_tables`` anchors them to the model's output, so every rank's backward runs them)."""
+        rows, self._forward_rows = self._forward_rows, []
+        return rows
 
     def _take_prefetched(self, lookups: List[Lookup]) -> RoundState:
         """The round for ``lookups``: the prefetched one when it was started for exactly them, else a new one."""
@@ -342,7 +329,7 @@ class TableSet:
         routes = routes._replace(rows_send=send, rows_recv=recv, problem=None)
         if self._defers(pushing):
             self.push_deferred()  # an earlier round's pending gradient is applied first (updates keep their order)
-            self._deferred = _Deferred(tables, pushing, routes, rows.cold)
+            self._deferred = DeferredPush(tables, pushing, routes, rows.cold)
             return [None] * len(self.tables)
         got = exchange_rows(rows.cold, routes, self.group, self.stats)
         hot_sums = sync_hot_gradients(rows.hot, self.group, n, [t.grad_reduction == "mean" for t in rows.hot_tables],
@@ -384,7 +371,81 @@ class TableSet:
         got = exchange_rows(d.rows, d.routes, self.group, self.stats)
         owner_gradients(self.tables, d.tables, d.pushing, got)
 
+    def push_after_graph(self, round_no: int, routes: Routes, tables: List[TableRound],
+                         grads: Sequence[Optional[torch.Tensor]], pull_seconds: float) -> None:
+        """Push a round's gradient once this backward's graph has run, after the rounds before it (collective).
+
+        Every rank pushes at the same point of its backward, in round order,
+        whatever order its graph reached the rounds in
+        (:mod:`sparsecomm.collectives.step_order`). The shards' gradients land
+        there: in ``local_weight.grad``, or applied by a fused optimizer.
+        """
+
+        def push() -> None:
+            start = time.perf_counter()
+            with torch.no_grad():
+                _accumulate(self.tables, self._push(routes, tables, grads))
+            self._record(tables, pull_seconds + time.perf_counter() - start)
+
+        # This set's place among every set's pushes: its first table's fingerprint, which every rank agrees on.
+        order = tuple(self.tables[0].fingerprint())
+        at_backward_end(PUSH, (order, round_no), push)
+        backward = current_backward()
+        if backward != self._step_backward:  # once per backward: the rounds since the last one made a step
+            self._step_backward = backward
+            at_backward_end(PUSH, (order, math.inf), self._end_step)
+
+    def _end_step(self) -> None:
+        self._last_step, self._step_rounds = self._step_rounds, []
+
+    def shadow_step(self) -> None:
+        """Take part in one step of this set's rounds with no lookup of this rank's own (collective).
+
+        What a rank that ran out of inputs does while its peers still train
+        (``torch.distributed.algorithms.join.Join``, through the DDP hook): the
+        rounds of the last step it ran, in order, each asking for no row and
+        serving this rank's rows; then the pushes of those with gradients,
+        which land the peers' gradients in this rank's shards, and the
+        ``step()`` of unfused owner-side optimizers, as the peers step theirs.
+
+        Raises:
+            ValueError: on every rank (the peers in their round) when this
+                rank cannot: it ran no step yet, or a prefetched round is pending.
+        """
+        problem = ("it has run no step yet" if self._last_step is None else
+                   "it has a prefetched round pending" if self._prefetched is not None else None)
+        if problem is not None:
+            self._pull(RoundState([], bad_input(f"sparsecomm sharded lookup: rank {world(self.group)[0]} ran out "
+                                                f"of inputs (Join) but cannot shadow its peers' lookups: {problem}")))
+        optimizers = list({id(t.optimizer): t.optimizer for t in self.tables
+                           if t.optimizer is not None and not getattr(t.optimizer, "fused", False)}.values())
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        pushes = []
+        for grad in self._last_step:
+            awaiting = _Awaiting(self) if grad else None  # as the peers' rounds await their backward
+            _, routes, tables = self._pull(RoundState([], grad=grad))
+            self._step_rounds.append(grad)
+            if awaiting is not None:
+                pushes.append((awaiting, routes, tables))
+        with torch.no_grad():
+            for awaiting, routes, tables in pushes:
+                awaiting.close()
+                _accumulate(self.tables, self._push(routes, tables, [None] * len(self.tables)))
+        self._end_step()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
     def settle(self) -> None:
         """Run the open round and push a pending deferred gradient (collective): the shards hold every update."""
         self.flush()
         self.push_deferred()
+
+
+def _accumulate(tables: Sequence[LookupTable], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    """Add each shard's gradient to its ``local_weight.grad``, as autograd would (the push runs after the graph)."""
+    for t, g in zip(tables, grads):
+        if g is not None:
+            w = t.local_weight
+            w.grad = g if w.grad is None else w.grad + g

@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from sparsecomm.collectives.step_order import anchor
 from sparsecomm.sharded.lookup import TableSet
 from sparsecomm.sharded.pending import resolve
 from sparsecomm.sharded.table import ShardedTable
@@ -32,7 +33,10 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[ShardedTable]] = No
 
     Every rank calls it, on the same model. A forward hook on ``model`` runs
     any round still open when its forward returns, and gives the caller real
-    tensors in place of placeholders.
+    tensors in place of placeholders. It also anchors the forward's rounds to
+    the output (an exact zero, no gradient): backward through the output
+    then pushes every round on every rank, also where that rank's loss does
+    not use a round's results (zero rows).
 
     Args:
         model: the module whose forward looks the tables up (not a DDP wrapper:
@@ -56,7 +60,7 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[ShardedTable]] = No
         if torch.compiler.is_compiling():
             return output  # compiled lookups run their rounds at once (sparsecomm.sharded.compiled)
         table_set.flush()
-        return resolve(output)
+        return anchor(resolve(output), table_set.take_forward_rows())
 
     table_set.hook = model.register_forward_hook(finish_forward)
     return table_set
