@@ -121,8 +121,8 @@ def weights_of(model) -> dict:
         if isinstance(m, (sharded.ShardedEmbedding, sharded.ShardedEmbeddingBag)):
             out[f"{name}.weight"] = m.full_weight()
     for k, v in inner.state_dict().items():
-        if not k.endswith(("local_weight", "_extra_state")):
-            out[k] = v
+        if k not in out and not k.endswith(("local_weight", "_extra_state")):
+            out[k] = v  # a sharded table's own entry is a DTensor of id-order chunks: full_weight() above
     return out
 
 

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 import sparsecomm.sharded as sh
+from sparsecomm.collectives.sharded_exchange import allgather_table_rows
 from sparsecomm.sharded import checkpoint as ckpt
 
 from distributed import expect_value_error, run_ranks
@@ -262,7 +263,9 @@ def case_state_dict(rank, world):
     model(b["x"]).sum().backward()
     opt.step()
     sd, osd = model.state_dict(), opt.state_dict()
-    assert set(sd) == {"emb.local_weight", "emb._extra_state", "fc.weight", "fc.bias"}
+    # The whole table under nn.Embedding's key: a DTensor of id-order chunks, or the table itself without peers.
+    assert set(sd) == {"emb.weight", "fc.weight", "fc.bias"} and tuple(sd["emb.weight"].shape) == (V, D)
+    assert (type(sd["emb.weight"]).__name__ == "DTensor") == (world > 1)
     other = Net(sh.ShardedEmbedding(V, D, seed=6, dtype=torch.float64), torch.float64)
     other_opt = sh.ShardedAdagrad(other, lr=0.2)
     other.load_state_dict(sd)
@@ -270,16 +273,37 @@ def case_state_dict(rank, world):
     assert torch.equal(other.emb.local_weight, model.emb.local_weight)
     assert torch.equal(other_opt.state[other.emb.local_weight]["sum"], opt.state[model.emb.local_weight]["sum"])
     assert other_opt.param_groups[0]["lr"] == 0.1
-    # A shard of another layout is refused with a message pointing to the resharding loader.
+    # Another scheme takes the same state: the rows reshard.
     ranged = Net(sh.ShardedEmbedding(V, D, scheme="range", seed=5, dtype=torch.float64), torch.float64)
+    ranged_opt = sh.ShardedAdagrad(ranged, lr=0.3)
+    ranged.load_state_dict(sd)
+    ranged_opt.load_state_dict(osd)
+    assert torch.equal(ranged.emb.full_weight(), model.emb.full_weight())
+    def whole(table, rows):
+        ids, got = allgather_table_rows(table.layout.owned_ids(), rows, V, table.group)
+        out = got.new_empty(got.shape)
+        out[ids] = got
+        return out
+
+    assert torch.equal(whole(ranged.emb, ranged_opt.state[ranged.emb.local_weight]["sum"]),
+                       whole(model.emb, opt.state[model.emb.local_weight]["sum"]))
+    # The per-rank form loads back at the same layout only, without communication.
+    local = {f"emb.{k}": v for k, v in model.emb.local_state_dict().items()}
+    local.update({k: v for k, v in sd.items() if not k.startswith("emb.")})
+    other.load_state_dict(local)
     with pytest.raises(RuntimeError, match="sparsecomm.sharded.load"):
-        ranged.load_state_dict(sd)
-    bigger = dict(sd)
-    bigger["emb._extra_state"] = dict(sd["emb._extra_state"], world_size=world + 1)
+        ranged.load_state_dict(local)
+    bigger = dict(local)
+    bigger["emb._extra_state"] = dict(local["emb._extra_state"], world_size=world + 1)
     with pytest.raises(RuntimeError, match=f"of {world + 1} of a"):
         other.load_state_dict(bigger)
+    # So does the optimizer's per-rank form of earlier versions (torch's layout plus each table's layout).
+    old = {"state": {0: {"step": 1, "sum": opt.state[model.emb.local_weight]["sum"].clone()}},
+           "param_groups": [dict(opt.param_groups[0], params=[0])], "sharding": [model.emb.layout.describe()]}
+    other_opt.load_state_dict(old)
+    assert torch.equal(other_opt.state[other.emb.local_weight]["sum"], opt.state[model.emb.local_weight]["sum"])
     with pytest.raises(ValueError, match="to reshard"):
-        sh.ShardedAdagrad(ranged, lr=0.1).load_state_dict(osd)
+        ranged_opt.load_state_dict(old)
 
 
 def case_export_import(rank, world):

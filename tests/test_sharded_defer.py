@@ -84,7 +84,7 @@ def case_defer_equals_fused(rank, world):
                 same(plain[0], late[0], what + " outputs")
                 same(weights(plain[1]), weights(late[1]), what + " tables")
                 for a, b in zip(plain[2], late[2]):
-                    pa, pb = a.param_groups[0]["params"][0], b.param_groups[0]["params"][0]
+                    pa, pb = a.tables()[0].local_weight, b.tables()[0].local_weight  # the state is the shard's
                     assert a.state[pa]["step"] == b.state[pb]["step"] == STEPS, what
     # And like one process training on every rank's batch.
     got = loop(rank, True, "adagrad", "always")
@@ -138,7 +138,7 @@ def case_save_load_and_prefetch(rank, world, directory):
     opt = OPTS["rowwise"](fresh.t0, True)
     sh.load(directory, fresh, opt)
     same(weights(plain[1]), weights(fresh), "saved after a deferred backward")
-    p0, p1 = plain[2][0].param_groups[0]["params"][0], opt.param_groups[0]["params"][0]
+    p0, p1 = plain[2][0].tables()[0].local_weight, opt.tables()[0].local_weight
     assert torch.equal(plain[2][0].state[p0]["sum"], opt.state[p1]["sum"])
     # Prefetched lookups: the prefetch pushes the pending gradient, then rounds push in backward.
     t = table("always")

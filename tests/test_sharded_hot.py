@@ -205,7 +205,7 @@ def case_disagreeing_ranks_raise(rank, world):
         (t(ids, offsets) * w).sum().backward()
         o.step()
         o.zero_grad()
-    state = t.state_dict()
+    state = t.local_state_dict()  # the per-rank form: one rank loads it alone, without communication
     if rank == 0:
         t.load_state_dict(state)
     ids, offsets, _ = batch(rank, world, 5)

@@ -23,7 +23,7 @@ import sparsecomm.sharded as sh
 from sparsecomm import ops
 from sparsecomm.collectives import groups, sharded_exchange, objects, sharded_request
 from sparsecomm.collectives.sharded_wire import FINGERPRINT_LEN
-from sparsecomm.sharded import checkpoint as ckpt
+from sparsecomm.sharded import checkpoint as ckpt, files
 
 from distributed import expect_value_error, run_cases, run_ranks
 
@@ -257,13 +257,13 @@ def case_checkpoint_checksums_split(rank, world, root):
     directory = os.path.join(root, "ck")
     sh.save(directory, model, opt)
     hashed = []
-    real = ckpt._sha256
+    real = files.sha256
 
     def counting(path):
         hashed.append(os.path.basename(path))
         return real(path)
 
-    ckpt._sha256 = counting
+    files.sha256 = counting
     try:
         fresh = torch.nn.Module()
         fresh.emb = sh.ShardedEmbedding(V, D, seed=8, dtype=torch.float64)
@@ -283,7 +283,7 @@ def case_checkpoint_checksums_split(rank, world, root):
         objects.barrier(fresh.emb._group)
         expect_value_error(lambda: sh.load(directory, fresh, fresh_opt), "sha256")
     finally:
-        ckpt._sha256 = real
+        files.sha256 = real
     return mine
 
 

@@ -22,11 +22,16 @@ by one rank, not by all of them). All checks are agreed across ranks: if any
 rank refuses, all refuse, before anything is modified. The directory must be one that every
 rank sees (a shared filesystem across nodes), since every rank may need rows
 from every shard.
+
+This format stays beside ``torch.distributed.checkpoint`` (which the tables'
+and optimizers' state dicts serve: :mod:`sparsecomm.sharded.dcp`) rather than
+wrapping it, for what DCP does not do: checksums agreed across ranks before
+anything is modified, :func:`export_full` offline without processes, and the
+manifest the planner reads (``Plan.from_checkpoint``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -39,9 +44,11 @@ import torch.nn as nn
 from sparsecomm.collectives.sharded_exchange import sharded_group
 from sparsecomm.version import __version__
 from sparsecomm.collectives.objects import agree, all_gather_objects, barrier, world
+from sparsecomm.sharded import files
 from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded.model import flush, sharded_modules
 from sparsecomm.sharded.optimizer import ShardedOptimizer
+from sparsecomm.sharded.table import left_out_of_state_dicts
 
 __all__ = ["save", "load", "verify", "export_full", "CheckpointError"]
 
@@ -57,45 +64,6 @@ class CheckpointError(ValueError):
 
 def _shard_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.pt"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str, write) -> Dict[str, Any]:
-    """Write through ``write(file)`` to a temporary file, fsync, rename over ``path``; return size and sha256."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        # Hash what reached the disk, not what we meant to write.
-        info = {"bytes": os.path.getsize(tmp), "sha256": _sha256(tmp)}
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    _fsync_dir(os.path.dirname(path) or ".")
-    return info
 
 
 def _tables_and_group(model: nn.Module):
@@ -118,12 +86,12 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if type(model).__name__ == "DistributedDataParallel" else model
 
 
-def _dense_state(model: nn.Module, names: List[str]) -> Dict[str, Any]:
-    """The model's state without its sharded tables' entries (those travel in the shard files)."""
-    if "" in names:  # the model is itself a table
+def _dense_state(model: nn.Module, tables) -> Dict[str, Any]:
+    """The model's state without its sharded tables (they travel in the shard files; theirs is collective)."""
+    if any(n == "" for n, _ in tables):  # the model is itself a table
         return {}
-    prefixes = tuple(f"{n}." for n in names)
-    return {k: v for k, v in _unwrap(model).state_dict().items() if not k.startswith(prefixes)}
+    with left_out_of_state_dicts([t for _, t in tables]):
+        return _unwrap(model).state_dict()
 
 
 def _optimizer_tables(optimizer: Optional[ShardedOptimizer], tables) -> Dict[str, Any]:
@@ -179,12 +147,11 @@ def save(directory: str, model: nn.Module, optimizer: Any = None, extra: Any = N
     tables, group, rank, world_size = _tables_and_group(model)
     flush(model)  # open rounds run, and a deferred gradient lands in the shards before they are written
     optimizer, replicated = _split(optimizer)
-    names = [n for n, _ in tables]
     by_table = _optimizer_tables(optimizer, tables)
     os.makedirs(directory, exist_ok=True)
     if rank == 0 and os.path.exists(os.path.join(directory, MANIFEST)):
         os.remove(os.path.join(directory, MANIFEST))
-        _fsync_dir(directory)
+        files.fsync_dir(directory)
     barrier(group)
 
     payload: Dict[str, Any] = {"format": FORMAT, "rank": rank, "world_size": world_size, "tables": {}}
@@ -203,19 +170,19 @@ def save(directory: str, model: nn.Module, optimizer: Any = None, extra: Any = N
                          "row_state": {k: list(v.shape[1:]) for k, v in
                                        (entry["optimizer"] or {}).get("rows", {}).items()}}
     fname = _shard_name(rank, world_size)
-    files = {fname: _atomic_write(os.path.join(directory, fname), lambda f: torch.save(payload, f))}
+    written = {fname: files.atomic_write(os.path.join(directory, fname), lambda f: torch.save(payload, f))}
     if rank == 0:
         groups = []
         if optimizer is not None:
-            weight_names = {id(t.local_weight): n for n, t in tables}
+            weight_names = {id(t.weight): n for n, t in tables}  # a param group lists a table's `weight`
             groups = [{**{k: v for k, v in g.items() if k != "params"},
                        "tables": [weight_names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
         # Replicated optimizers hold the same state on every rank (DDP keeps them in step): rank 0's is saved.
-        dense = {"format": FORMAT, "model": _dense_state(model, names), "optimizer_groups": groups,
+        dense = {"format": FORMAT, "model": _dense_state(model, tables), "optimizer_groups": groups,
                  "replicated_optimizers": {k: o.state_dict() for k, o in replicated.items()}, "extra": extra}
-        files[DENSE] = _atomic_write(os.path.join(directory, DENSE), lambda f: torch.save(dense, f))
+        written[DENSE] = files.atomic_write(os.path.join(directory, DENSE), lambda f: torch.save(dense, f))
 
-    gathered = all_gather_objects((files, summary), group)
+    gathered = all_gather_objects((written, summary), group)
 
     manifest = {
         "format": FORMAT, "world_size": world_size, "created_unix": time.time(),
@@ -233,7 +200,7 @@ def save(directory: str, model: nn.Module, optimizer: Any = None, extra: Any = N
     }
     if rank == 0:
         text = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        _atomic_write(os.path.join(directory, MANIFEST), lambda f: f.write(text))
+        files.atomic_write(os.path.join(directory, MANIFEST), lambda f: f.write(text))
         for stale in os.listdir(directory):
             # Shards of an older checkpoint at another world size: not in the manifest, never read.
             if _SHARD_RE.match(stale) and stale not in manifest["files"]:
@@ -284,7 +251,7 @@ def verify(directory: str, share: Tuple[int, int] = (0, 1)) -> Dict[str, Any]:
         if size != info["bytes"]:
             raise CheckpointError(f"{fpath} is {size} bytes but the manifest says {info['bytes']}: "
                                   f"torn or overwritten after the checkpoint was written")
-        if k % every == index and _sha256(fpath) != info["sha256"]:
+        if k % every == index and files.sha256(fpath) != info["sha256"]:
             raise CheckpointError(f"{fpath} does not match its sha256 in the manifest: "
                                   f"corrupted or from another checkpoint")
     return manifest
@@ -424,7 +391,7 @@ def load(directory: str, model: nn.Module, optimizer: Any = None, strict: bool =
     try:
         new = _reshard(directory, manifest, tables, optimizer)
         dense = torch.load(os.path.join(directory, DENSE), map_location="cpu", weights_only=True)
-        target = _dense_state(model, [n for n, _ in tables])
+        target = _dense_state(model, tables)
         if strict and set(dense["model"]) != set(target):
             raise CheckpointError(f"the replicated model state differs: missing {sorted(set(target) - set(dense['model']))}"
                                   f", unexpected {sorted(set(dense['model']) - set(target))}")
@@ -453,7 +420,8 @@ def load(directory: str, model: nn.Module, optimizer: Any = None, strict: bool =
                     state[k].copy_(v)
                 if e["steps"]:
                     state["step"] = e["steps"].pop()
-        _unwrap(model).load_state_dict(dense["model"], strict=False)
+        with left_out_of_state_dicts([t for _, t in tables]):
+            _unwrap(model).load_state_dict(dense["model"], strict=False)
         if optimizer is not None:
             for g, saved in zip(optimizer.param_groups, dense["optimizer_groups"]):
                 g.update({k: v for k, v in saved.items() if k not in ("params", "tables")})

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 import torch
 import torch.nn as nn
 
+from sparsecomm.collectives.objects import agree
 from sparsecomm.sharded.optimizer import ShardedAdagrad, ShardedAdam, ShardedOptimizer, ShardedSGD
 
 __all__ = ["ParallelOptimizer", "check_optimizer", "build_optimizer", "OPTIMIZER_FORMAT"]
@@ -155,23 +156,70 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.parts["dense"].add_param_group(param_group)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"format": OPTIMIZER_FORMAT, "parts": {k: o.state_dict() for k, o in self.parts.items()},
-                "kinds": {k: type(o).__name__ for k, o in self.parts.items()}}
+        """Every part's state in torch's layout, as one optimizer over :attr:`param_groups` (collective with a
+        sharded part: see ``ShardedOptimizer.state_dict``).
+
+        Parameters are numbered across the parts in :attr:`param_groups` order,
+        and each group is tagged with its ``"part"`` and the part's ``"kind"``
+        (class name), so ``torch.distributed.checkpoint.state_dict`` maps it
+        to the model's parameter names like any optimizer's and a state of
+        other parts is refused on load.
+        """
+        state: Dict[Any, Any] = {}
+        groups: List[Dict[str, Any]] = []
+        offset = 0
+        for name, opt in self.parts.items():
+            sd = opt.state_dict()
+            state.update({offset + k: v for k, v in sd["state"].items()})
+            for g in sd["param_groups"]:
+                groups.append({**g, "params": [offset + i for i in g["params"]], "part": name,
+                               "kind": type(opt).__name__})
+            offset += sum(len(g["params"]) for g in opt.param_groups)
+        return {"state": state, "param_groups": groups}
+
+    def _split(self, state_dict: Dict[str, Any]) -> Tuple[Optional[str], Dict[str, Dict[str, Any]]]:
+        """Each part's share of a :meth:`state_dict`, or what does not fit (the groups are taken in order)."""
+        groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups):
+            return (f"the state has {len(groups) if isinstance(groups, list) else 'no'} param groups, this "
+                    f"optimizer {len(self.param_groups)}"), {}
+        out, at = {}, 0
+        for name, opt in self.parts.items():
+            mine = groups[at:at + len(opt.param_groups)]
+            at += len(opt.param_groups)
+            for g, live in zip(mine, opt.param_groups):
+                tags = (g.get("part", name), g.get("kind", type(opt).__name__))
+                if tags != (name, type(opt).__name__) or len(g["params"]) != len(live["params"]):
+                    return (f"the state's group for part {name!r} ({type(opt).__name__}, {len(live['params'])} "
+                            f"parameters) holds {tags} with {len(g['params'])}"), {}
+            ids = [i for g in mine for i in g["params"]]
+            out[name] = {"state": {i: state_dict["state"][i] for i in ids if i in state_dict.get("state", {})},
+                         "param_groups": [{k: v for k, v in g.items() if k not in ("part", "kind")} for g in mine]}
+        return None, out
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load every part's state; refuses a state of other parts or kinds.
+        """Load every part's state (from :meth:`state_dict`, or the per-part form of earlier versions); refuses
+        a state of other parts or kinds. Collective with a sharded part.
 
         Raises:
-            ValueError: the state was written by another combination of optimizers.
+            ValueError: on every rank, before anything changes, when the state
+                was written by another combination of optimizers.
         """
-        if not isinstance(state_dict, dict) or state_dict.get("format") != OPTIMIZER_FORMAT:
-            raise ValueError("ParallelOptimizer.load_state_dict: not a ParallelOptimizer state")
-        mine = {k: type(o).__name__ for k, o in self.parts.items()}
-        if state_dict.get("kinds") != mine:
-            raise ValueError(f"ParallelOptimizer.load_state_dict: the state holds {state_dict.get('kinds')}, "
-                             f"this optimizer is {mine}")
-        for k, o in self.parts.items():
-            o.load_state_dict(state_dict["parts"][k])
+        if isinstance(state_dict, dict) and state_dict.get("format") == OPTIMIZER_FORMAT:
+            mine = {k: type(o).__name__ for k, o in self.parts.items()}
+            if state_dict.get("kinds") != mine:
+                raise ValueError(f"ParallelOptimizer.load_state_dict: the state holds {state_dict.get('kinds')}, "
+                                 f"this optimizer is {mine}")
+            shares = state_dict["parts"]
+        else:
+            problem, shares = self._split(state_dict)
+            sharded = self.sharded
+            # Every rank refuses together: the sharded part's load is collective.
+            agree(problem, sharded.tables()[0].group if sharded is not None and sharded.tables() else None,
+                  "ParallelOptimizer.load_state_dict")
+        # The sharded part first: its checks span every rank, and it refuses before any part changed.
+        for k in sorted(self.parts, key=lambda k: k != "sharded"):
+            self.parts[k].load_state_dict(shares[k])
 
     def __repr__(self) -> str:
         inner = ",\n".join(f"  {k}: {type(o).__name__} ({sum(len(g['params']) for g in o.param_groups)} tensors)"

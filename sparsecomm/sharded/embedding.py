@@ -63,6 +63,10 @@ class ShardedEmbedding(ShardedTable):
         local_weight: ``(num_local, d)`` tensor of the rows this rank owns, in
             ``layout.owned_ids()`` order; its ``.grad`` is the sparse gradient
             the owner received. Not a Parameter: DDP and dense optimizers skip it.
+        weight: a zero-element, frozen Parameter that stands for the table
+            where torch looks for ``nn.Embedding``'s: the state dict's
+            ``<name>.weight`` is the whole table (collective; see
+            :mod:`sparsecomm.sharded.table`), and sharded optimizers list it.
         layout: the :class:`~sparsecomm.sharded.layout.RowLayout` (owners, slots).
         stats: bytes this rank sent/received for the table, accumulated.
 

@@ -23,16 +23,21 @@ request, and the owner applies the update before that round serves any row.
 Every lookup therefore sees every earlier update, and training is exactly the
 same as with ``defer=False``; only when the shard itself changes moves: the
 last backward's update lands at the next lookup, at
-``sparsecomm.sharded.flush(model)`` or at ``sparsecomm.sharded.save``/``load``
-(collectives that push it). Call ``flush(model)`` before reading
-``local_weight`` or the optimizer's ``state_dict()`` yourself. Tables with
+``sparsecomm.sharded.flush(model)``, at ``sparsecomm.sharded.save``/``load``
+or at the model's or optimizer's ``state_dict()`` (collectives that push it).
+Call ``flush(model)`` before reading ``local_weight`` yourself. Tables with
 replicated hot rows, and rounds whose next request was prefetched, push at
 once.
 
 These are ``torch.optim.Optimizer`` subclasses: ``param_groups[i]["lr"]`` is
-the learning rate, so torch's LR schedulers drive them, and
-``state_dict()``/``load_state_dict()`` work (for the same world size; the
-directory checkpoint of ``sparsecomm.sharded.checkpoint`` reshards).
+the learning rate, so torch's LR schedulers drive them. A param group lists
+each table by its ``weight`` (the zero-element stand-in through which torch's
+distributed state dict names a table, :mod:`sparsecomm.sharded.table`); the
+state is the shard's, ``state[table.local_weight]`` (``step`` and the
+row-aligned tensors). ``state_dict()`` is collective and holds the row state
+as the table's state dict holds its rows, the whole table in id order
+(:mod:`sparsecomm.sharded.optimizer_state`), so ``torch.distributed.checkpoint``
+saves it whole and ``load_state_dict()`` reshards it to any world size and scheme.
 
 Each rule reproduces torch's sparse-gradient path for the same coalesced
 gradient, so a sharded table trains like a replicated ``nn.Embedding(sparse=True)``
@@ -57,6 +62,7 @@ import torch
 import torch.nn as nn
 
 from sparsecomm import ops
+from sparsecomm.sharded import optimizer_state
 from sparsecomm.sharded.model import sharded_modules
 from sparsecomm.sharded.table import ShardedTable
 
@@ -75,19 +81,20 @@ def _table_of(t: Any) -> ShardedTable:
 
 
 def _weights(items: Any) -> List[torch.Tensor]:
+    """The tables' ``weight`` stand-ins, what a param group lists (from tables, modules or either tensor)."""
     if isinstance(items, (nn.Module, torch.Tensor)):
         items = [items]
     out: List[torch.Tensor] = []
     for item in items:
         if isinstance(item, ShardedTable):
-            out.append(item.local_weight)
+            out.append(item.weight)
         elif isinstance(item, nn.Module):
             found = sharded_modules(item)
             if not found:
                 raise ValueError(f"{type(item).__name__} contains no sharded table")
-            out.extend(m.local_weight for _, m in found)
+            out.extend(m.weight for _, m in found)
         else:
-            out.append(_table_of(item).local_weight)
+            out.append(_table_of(item).weight)
     return out
 
 
@@ -144,8 +151,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._tables[id(p)] = table
             # State is made up front: the memory report is right from the start and
             # a checkpoint taken before the first step still holds every moment.
-            self.state[p] = self._init_state(p, self.param_groups[-1])
+            self.state[table.local_weight] = self._init_state(table.local_weight, self.param_groups[-1])
             table.attach_optimizer(self)
+
+    def _group_of(self, p: torch.Tensor) -> Dict[str, Any]:
+        """The param group of the table whose shard is ``p``."""
+        weight = _table_of(p).weight
+        return next(g for g in self.param_groups if any(q is weight for q in g["params"]))
 
     def _init_state(self, p: torch.Tensor, group: Dict[str, Any]) -> Dict[str, Any]:
         return {"step": 0}
@@ -162,7 +174,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         What a fused optimizer does when the table's backward delivers its
         gradient; the same rule and step count as :meth:`step`.
         """
-        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        group = self._group_of(p)
         state = self.state[p]
         state["step"] += 1
         if slots.numel() == 0:
@@ -183,23 +195,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         p = table.local_weight
         if positions.numel() == 0:
             return
-        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        group = self._group_of(p)
         state = self.state[p]
         hot = table.hot
         self._update(group, hot.weight, dict(hot.state, step=state["step"]), positions, rows)
         hot.write_through(p, state, positions)
 
     def _step_hot(self, p: torch.Tensor) -> None:
-        table = self._tables[id(p)]
+        table = _table_of(p)
         if table.hot is not None:
             pending = table.hot.gradient()
             if pending is not None:
                 self.apply_hot(table, *pending)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the tables' gradients, including their hot rows' pending one."""
+        """Clear the tables' gradients (their shards'), including their hot rows' pending one."""
         super().zero_grad(set_to_none=set_to_none)
         for table in self._tables.values():
+            w = table.local_weight
+            if w.grad is not None:
+                if set_to_none:
+                    w.grad = None
+                else:
+                    w.grad.requires_grad_(False)
+                    w.grad.zero_()
             if table.hot is not None:
                 table.hot.clear_gradient()
 
@@ -227,7 +246,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
+            for q in group["params"]:
+                p = self._tables[id(q)].local_weight
                 if p.grad is None:
                     continue
                 grad = p.grad
@@ -249,39 +269,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> Dict[str, Any]:
-        """torch's optimizer state dict plus each table's ownership map (``"sharding"``)."""
-        sd = super().state_dict()
-        sd["sharding"] = [_table_of(p).layout.describe() for g in self.param_groups for p in g["params"]]
-        return sd
+        """The state of every table, whole and in id order, for any world size and scheme (collective).
+
+        ``{"state": {i: {"step": ...}}, "param_groups": [...]}``: each param
+        group as usual plus, aligned with its ``params``, each table's ``step`` and row state
+        (:mod:`sparsecomm.sharded.optimizer_state`). ``torch.distributed.checkpoint``
+        saves it without loss, directly or through ``get_state_dict``; a
+        gradient a ``defer=True`` optimizer left pending lands first.
+        """
+        return optimizer_state.state_dict(self)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a state dict written by the same rank at the same world size and layout.
+        """Load :meth:`state_dict`'s form from any world size and scheme (collective), or the per-rank form of
+        earlier versions at the same layout.
 
         Raises:
-            ValueError: the state was written for another layout (world size,
-                rank, scheme or table shape); load directory checkpoints with
-                ``sparsecomm.sharded.load`` to reshard.
+            ValueError: on every rank, before anything changes, when the state
+                does not fit this optimizer's tables, groups or rule (the
+                message names the rank and the table).
         """
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved = state_dict.get("sharding")
-        if saved is None or len(saved) != len(params):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the state has no ownership maps for "
-                             f"{len(params)} tables (not a sharded optimizer state of this model?)")
-        for i, (p, layout) in enumerate(zip(params, saved)):
-            mine = _table_of(p).layout.describe()
-            if layout != mine:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: table {i} was saved as {layout} but is "
-                                 f"{mine} here; to reshard, save and load a directory checkpoint with "
-                                 f"sparsecomm.sharded.save/load")
-            for name in self.row_state_names:
-                t = state_dict["state"].get(i, {}).get(name)
-                want = self.state[p][name].shape
-                if t is None or t.shape != want:
-                    raise ValueError(f"{type(self).__name__}.load_state_dict: table {i} state {name!r} has "
-                                     f"shape {None if t is None else tuple(t.shape)}, expected {tuple(want)}")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "sharding"})
-        for p in params:
-            _table_of(p).drop_hot()  # the replica's optimizer rows are stale now
+        optimizer_state.load_state_dict(self, state_dict)
 
 
 class ShardedSGD(ShardedOptimizer):

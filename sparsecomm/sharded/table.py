@@ -12,16 +12,29 @@ Keeping the shard out of DDP: the shard is a plain tensor attribute
 (``local_weight``), not an ``nn.Parameter`` or buffer, so DDP never sees it
 (no allreduce, no broadcast, no shape check across ranks) and
 ``model.parameters()`` (what the dense optimizer gets) does not include it.
-It still travels in ``model.state_dict()`` (``<name>.local_weight`` plus the
-ownership map in ``<name>._extra_state``) and through
-``sparsecomm.sharded.save/load``.
+
+The state dict holds the whole table under ``<name>.weight``, the key of the
+``nn.Embedding(Bag)`` it stands for: a DTensor of the table in id order, one
+chunk a rank (:mod:`sparsecomm.sharded.dcp`), so ``torch.distributed.checkpoint``
+saves every row and reshards to any world size and scheme, and
+``full_state_dict=True`` gathers the single-process model's weight. Building
+it is collective: every rank calls ``state_dict()`` and ``load_state_dict()``.
+``weight`` itself is a zero-element, frozen ``nn.Parameter`` that names the
+table where torch's distributed state dict looks for it: it maps a model's
+keys through ``named_parameters()`` (a DDP prefix), and optimizer state
+through the optimizer's parameters, so the sharded optimizers list it in
+their param groups. Frozen and empty, DDP broadcasts nothing and reduces
+nothing for it. :meth:`ShardedTable.local_state_dict` is the per-rank form
+(this rank's shard and its layout) that loads back without communication at
+the same layout; ``sparsecomm.sharded.save/load`` write their own checked format.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,7 +44,7 @@ from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import allgather_table_rows, sharded_group
 from sparsecomm.collectives.objects import broadcast_int, world
 from sparsecomm.collectives.sharded_wire import InputStatus
-from sparsecomm.sharded import compiled
+from sparsecomm.sharded import compiled, dcp
 from sparsecomm.sharded.hot import HotRowConfig, HotRows
 from sparsecomm.sharded.inputs import check_ids
 from sparsecomm.sharded.layout import RowLayout
@@ -39,7 +52,7 @@ from sparsecomm.sharded.lookup import TableSet
 from sparsecomm.sharded.pending import Lookup, Prefetched
 from sparsecomm.types import PartitionScheme, SparseSyncStats
 
-__all__ = ["ShardedTable", "STATE_FORMAT", "KIND_EMBEDDING", "KIND_BAG"]
+__all__ = ["ShardedTable", "STATE_FORMAT", "KIND_EMBEDDING", "KIND_BAG", "left_out_of_state_dicts"]
 
 STATE_FORMAT = "sparsecomm.sharded.table/1"
 # Rows are initialized in fixed chunks, each from its own seeded generator, so
@@ -105,6 +118,10 @@ class ShardedTable(nn.Module):
         self.seed = broadcast_int(seed, self._group)
         self._optimizer: Optional[weakref.ref] = None
         self.local_weight = ops.empty_rows((self.layout.num_local, embedding_dim), dtype, device)   # huge pages
+        # The table's name in state dicts and optimizers (see the module docstring); never holds rows.
+        self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
+        self.weight._sparsecomm_table = weakref.ref(self)
+        self._left_out = False  # left out of the model's state dict (left_out_of_state_dicts)
         # Replicated hot rows (sparsecomm.sharded.hot), or None.
         self.hot: Optional[HotRows] = HotRows(hot_rows, embedding_dim, dtype, device) \
             if hot_rows is not None and hot_rows.budget_bytes > 0 else None
@@ -326,22 +343,26 @@ class ShardedTable(nn.Module):
 
     # ------------------------------------------------------------ state dict
 
-    def get_extra_state(self) -> Dict[str, Any]:
-        """The ownership map saved beside ``local_weight`` in ``state_dict()``."""
+    def local_state_dict(self) -> Dict[str, Any]:
+        """This rank's shard and its layout, the per-rank form (``local_weight``, ``_extra_state``).
+
+        ``load_state_dict`` takes it back without communication, on the same
+        rank at the same world size and scheme only (other layouts are
+        refused, pointing to the resharding forms). ``state_dict()`` gives the
+        whole table instead (collective), which loads at any layout.
+        """
+        return {"local_weight": self.local_weight.detach(), "_extra_state": self._layout_state()}
+
+    def _layout_state(self) -> Dict[str, Any]:
         return {"format": STATE_FORMAT, "embedding_dim": self.embedding_dim,
                 "dtype": str(self.local_weight.dtype).replace("torch.", ""), **self.layout.describe(),
                 "ids": self.layout.owned_ids()}
-
-    def set_extra_state(self, state: Any) -> None:
-        problem = self._layout_problem(state)
-        if problem:
-            raise ValueError(problem)
 
     def _layout_problem(self, state: Any) -> Optional[str]:
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             return f"{type(self).__name__}: not a sharded-table state (format {got!r})"
-        mine = self.get_extra_state()
+        mine = self._layout_state()
         for key in ("num_embeddings", "embedding_dim", "world_size", "rank", "scheme", "num_local"):
             if state.get(key) != mine[key]:
                 return (f"{type(self).__name__}: the state holds rank {state.get('rank')} of "
@@ -349,27 +370,47 @@ class ShardedTable(nn.Module):
                         f"table sharded by {state.get('scheme')!r}, but this table is rank {self.layout.rank} of "
                         f"{self.layout.world_size}, {self.num_embeddings} x {self.embedding_dim}, "
                         f"{self.scheme!r} ({key} differs). To load shards written at another world size or "
-                        f"scheme, use sparsecomm.sharded.load(directory, model)")
+                        f"scheme, load the table's state_dict() or use sparsecomm.sharded.load(directory, model)")
         return None
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "local_weight"] = self.local_weight if keep_vars else self.local_weight.detach()
-        destination[prefix + "_extra_state"] = self.get_extra_state()
+        if self._left_out:
+            return
+        self.table_set.push_deferred()  # a gradient a defer=True optimizer left pending lands first
+        chunk = dcp.to_id_order(self.layout, [self.local_weight.detach()], self._group)[0]
+        destination[prefix + "weight"] = dcp.as_global(chunk, self.layout, self._group)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        wkey, ekey = prefix + "local_weight", prefix + "_extra_state"
-        missing = [k for k in (wkey, ekey) if k not in state_dict]
-        missing_keys.extend(missing)
-        if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in (wkey, ekey)
-                                   and "." not in k[len(prefix):])
-        if missing:
+        if self._left_out:
             return
-        problem = self._layout_problem(state_dict[ekey])
-        weight = state_dict[wkey]
+        wkey, local = prefix + "weight", (prefix + "local_weight", prefix + "_extra_state")
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in (wkey,) + local
+                                   and "." not in k[len(prefix):])
+        if wkey not in state_dict and all(k in state_dict for k in local):
+            self._load_local(state_dict[local[0]], state_dict[local[1]], local[0], error_msgs)
+            return
+        verdict, rows = dcp.classify(state_dict.get(wkey), self.layout, (self.embedding_dim,))
+        kind = dcp.agree_on([verdict], self._group, f"{type(self).__name__}.load_state_dict: {wkey}")[0]
+        if kind == dcp.MISSING:
+            missing_keys.append(wkey)
+            return
+        self.table_set.push_deferred()  # a pending gradient must not land on the loaded rows
+        with torch.no_grad():
+            rows = rows.to(device=self.local_weight.device, dtype=self.local_weight.dtype)
+            if kind == dcp.CHUNKS:
+                rows = dcp.from_id_order(self.layout, [rows], self._group)[0]
+            else:
+                rows = rows[self.layout.owned_ids().to(rows.device)]
+            self.drop_hot()
+            self.local_weight.copy_(rows)
+
+    def _load_local(self, weight: Any, layout_state: Any, key: str, error_msgs) -> None:
+        """Load :meth:`local_state_dict`'s form: this rank's shard, same layout (no communication)."""
+        problem = self._layout_problem(layout_state)
         if problem is None and tuple(weight.shape) != tuple(self.local_weight.shape):
-            problem = f"{wkey}: shape {tuple(weight.shape)} in the state, {tuple(self.local_weight.shape)} here"
+            problem = f"{key}: shape {tuple(weight.shape)} in the state, {tuple(self.local_weight.shape)} here"
         if problem:
             error_msgs.append(problem)
             return
@@ -383,3 +424,19 @@ class ShardedTable(nn.Module):
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
         return s
+
+
+@contextlib.contextmanager
+def left_out_of_state_dicts(tables: Sequence[ShardedTable]) -> Iterator[None]:
+    """Leave ``tables`` out of their model's ``state_dict()`` and ``load_state_dict()`` inside the block.
+
+    For the model's other state alone, on some ranks only (``sparsecomm.sharded.save``
+    writes the tables itself): a table's own state dict is collective.
+    """
+    for t in tables:
+        t._left_out = True
+    try:
+        yield
+    finally:
+        for t in tables:
+            t._left_out = False
