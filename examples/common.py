@@ -135,11 +135,12 @@ def train(args, topo, step_fn: Callable[[int], float], eval_fn: Optional[Callabl
                   f"{rate:,.0f} {unit}/s", flush=True)
     final_eval = eval_fn() if eval_fn else {}
     warm = times[min(5, len(times) - 1):] if len(times) > 1 else times
+    last = losses[-args.log_every:]  # the last progress line's window: the two agree
     summary: Dict[str, object] = {
         "example": name, "mode": args.mode, "world_size": topo.world_size, "steps": args.steps,
         "batch_per_rank": args.batch_size,
         f"{unit}_per_s_median": samples_per_step / statistics.median(warm),
-        "first_loss": losses[0], "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "first_loss": losses[0], "final_loss": sum(last) / len(last), "final_loss_steps": len(last),
         **{f"start_{k}": v for k, v in first_eval.items()}, **{f"final_{k}": v for k, v in final_eval.items()},
     }
     plan = getattr(unwrap(model), "sparsecomm_plan", None) if model is not None else None
@@ -151,12 +152,32 @@ def train(args, topo, step_fn: Callable[[int], float], eval_fn: Optional[Callabl
             summary[f"comm_{path}_ms_per_call"] = 1e3 * s.seconds / max(1, s.calls)
         summary["paths"] = {k: d.method.value for k, d in state.decisions.items()}
     if topo.rank == 0:
-        print(f"[{name}] summary: " + _fmt(summary), flush=True)
+        print(summary_table(summary, state, unit), flush=True)
         if state is not None:  # the path each table took, and why (the classifier's decision log)
             print(state.summary(), flush=True)
         if args.json:
             print("SUMMARY " + json.dumps(summary), flush=True)
     return summary
+
+
+def summary_table(summary: Dict[str, object], state, unit: str) -> str:
+    """The summary as a few rows that fit 80 columns: what was trained, how well, how fast, what moved."""
+    s, name = summary, summary["example"]
+    rows = [("trained", f"{s['steps']} steps, world {s['world_size']}, {s['batch_per_rank']} {unit}/rank, "
+                        f"mode {s['mode']}"),
+            ("loss", f"{s['first_loss']:.4f} (step 1) -> {s['final_loss']:.4f} (mean of the last "
+                     f"{s['final_loss_steps']} steps)")]
+    for k in (k[len("final_"):] for k in s if k.startswith("final_") and k not in ("final_loss", "final_loss_steps")):
+        rows.append((k, f"{s['start_' + k]:.4g} at the start -> {s['final_' + k]:.4g} at the end"))
+    rows.append(("speed", f"{s[f'{unit}_per_s_median']:,.0f} {unit}/s (median step, all ranks)"))
+    if "sharded_tables" in s:
+        rows.append(("sharded", ", ".join(s["sharded_tables"]) or "none (every table replicated)"))
+    if state is not None:
+        for path, st in sorted(state.stats.items()):
+            rows.append((f"sync {path}", f"{st.bytes_sent / 1e6 / max(1, s['steps']):.3f} MB sent per step, "
+                                         f"{1e3 * st.seconds / max(1, st.calls):.2f} ms per call"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([f"[{name}] summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
 
 def _fmt(d: Dict[str, object]) -> str:

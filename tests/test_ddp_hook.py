@@ -120,6 +120,8 @@ VARIANTS = [
     ("densify", {"overrides": {"emb.weight": "densify", "bag_sum.weight": "densify",
                                "bag_mean.weight": "densify"}}, 2e-5),
     ("bf16-compressed", {"compression": "bf16"}, 5e-2),
+    ("sparse-bf16-compressed", {"sparse_compression": "bf16", "overrides": {
+        "emb.weight": "allgather", "bag_sum.weight": "allgather", "bag_mean.weight": "allgather"}}, 5e-2),
     ("inline", {"overlap_sparse": False}, 2e-5),  # the step's sparse sync on the autograd thread
     ("dense-allreduce", {"fuse_dense": False, "overrides": {"emb.weight": "torch"}}, 2e-5),
 ]
@@ -130,12 +132,16 @@ DENSE_PATHS = {"dense", "dense-fused"}
 def test_training_matches_ddp_and_single_process(world):
     results = run_ranks(world, _equivalence_worker, VARIANTS)
     res = results[0]
-    assert len(res) == 3 * len(VARIANTS) - 2
+    assert len(res) == 3 * len(VARIANTS) - 2 * sum(name.endswith("compressed") for name, _, _ in VARIANTS)
     auto = res[("sgd", "auto")]
     assert set(auto[2]) & DENSE_PATHS and any(k in auto[2] for k in ("partitioned", "allgather", "densify"))
     assert set(auto[3]) == {"emb.weight", "bag_sum.weight", "bag_mean.weight"}  # the classifier decided
     assert set(res[("sgd", "allgather")][2]) == {"dense-fused", "allgather"}
     assert set(res[("sgd", "densify")][2]) == {"dense-fused", "densify"}
+    # Sparse rows in bf16: the same path, fewer bytes (the values halved; ids and dense buckets as they were).
+    exact, half = res[("sgd", "allgather")][2], res[("sgd", "sparse-bf16-compressed")][2]
+    assert set(half) == set(exact) and half["allgather"].bytes_sent < exact["allgather"].bytes_sent
+    assert half["dense-fused"].bytes_sent == exact["dense-fused"].bytes_sent
     assert set(res[("sgd", "dense-allreduce")][2]) >= {"dense", "torch"}
     # Every rank made the same decisions.
     for r in range(1, world):
@@ -168,6 +174,10 @@ def _shapes_worker(rank, world):
             train_step(ref, o2, batch(rank, step))
         checks.append((f"dense-embeddings-rows={option}", max_diff(ours.module, ref.module)))
         assert ("dense-embedding-rows" in state.stats) == option
+        # The summary names the sparse=False tables and what their gradients take.
+        summary = state.summary()
+        assert all(f"{t}.weight (" in summary for t in ("emb", "bag_sum", "bag_mean")), summary
+        assert ("build the table with sparse=True" in summary) == (not option), summary
 
     checks.append(("unused-table", _unused_tables(rank, world, "register")))
     return checks

@@ -56,3 +56,34 @@ def test_printed_plan_fits_120_columns_and_numbers_its_reasons(world):
     assert max(len(line) for line in lines) <= 120, text
     assert any(line.lstrip().startswith("[1] user_id_embedding_table_of_a_long_name:") for line in lines), text
     assert any(line.lstrip().startswith("[2] item:") for line in lines), text
+
+
+class EarlyUse(nn.Module):
+    """Two grouped sharded tables; with ``early`` the first one's result is read before the second is looked up."""
+
+    def __init__(self, early: bool) -> None:
+        super().__init__()
+        self.early = early
+        self.user = sparsecomm.ShardedEmbedding(50, 4)
+        self.item = sparsecomm.ShardedEmbedding(30, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        u = self.user(ids)
+        scale = u.sum() if self.early else 1.0        # reads the first result: its round runs here, alone
+        return u * scale + self.item(ids)
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_grouped_round_split_by_an_early_use_warns_once_naming_the_tables(early, recwarn):
+    model = EarlyUse(early)
+    sparsecomm.sharded.group_tables(model)
+    ids = torch.tensor([[1, 2], [3, 1]])
+    out = [model(ids) for _ in range(2)]
+    split = [w for w in recwarn if "rounds" in str(w.message)]
+    assert len(split) == (1 if early else 0), [str(w.message) for w in recwarn]
+    if early:
+        assert "in 2 rounds ([user] then [item])" in str(split[0].message)
+        assert "Look every table up before using any result" in str(split[0].message)
+    reference = model.user.full_weight()[ids] * (model.user.full_weight()[ids].sum() if early else 1.0) \
+        + model.item.full_weight()[ids]
+    assert torch.equal(out[1], reference)              # the warning changes nothing

@@ -26,8 +26,16 @@ class HookConfig:
 
     Args:
         compression: None, "fp16" or "bf16": dense buckets travel in half
-            precision (sparse rows always travel in their own dtype). "none"
-            is read as None.
+            precision. "none" is read as None.
+        sparse_compression: None (default: exact), "bf16" or "fp16": the
+            value rows of sparse gradients travel in half precision on the
+            paths that sum at an owner or merge ("partitioned", "allgather",
+            "tree", two-level), summed in float32 and returned in the
+            gradient's dtype; each rank's result is the same bitwise, within
+            about 2 units of the wire dtype's roundoff of the exact sum
+            (``sparse_allreduce(compression=...)``). Ids and metadata stay
+            exact; "densify" and "torch" ignore it. Half the value bytes: for
+            a slow link between hosts. "none" is read as None.
         overrides: ``{parameter name: "partitioned" | "allgather" | "densify" | "torch" | "tree" | "auto"}``.
         sparse_dense_embeddings: for embeddings trained with dense gradients
             (``sparse=False``), send only their non-zero rows through the
@@ -80,6 +88,7 @@ class HookConfig:
 
     # what travels and how
     compression: Optional[str] = None
+    sparse_compression: Optional[str] = None
     overrides: Dict[str, str] = field(default_factory=dict)
     sparse_dense_embeddings: bool = False
     scheme: str = "hash"
@@ -102,6 +111,10 @@ class HookConfig:
             raise ValueError(f"compression must be 'fp16', 'bf16' or None, got {self.compression!r}")
         # Frozen: normalize through object.__setattr__, once, here.
         object.__setattr__(self, "compression", None if self.compression == "none" else self.compression)
+        if self.sparse_compression not in COMPRESSION_DTYPES:
+            raise ValueError(f"sparse_compression must be 'fp16', 'bf16' or None, got {self.sparse_compression!r}")
+        if self.sparse_compression == "none":
+            object.__setattr__(self, "sparse_compression", None)
         overrides = dict(self.overrides or {})  # a copy: the caller's dict stays theirs
         for name, path in overrides.items():
             if path not in OVERRIDES:

@@ -190,7 +190,7 @@ def _flush(state: SparseCommState, wait: bool = False) -> None:
         return sparse_allreduce_coalesced(tensors, group, op="avg", method=[it.method for it in items],
                                           scheme=config.scheme, local_world_size=state.local_world_size or 1,
                                           local_aggregation=config.local_aggregation, nonfinite=config.nonfinite,
-                                          stats=stats, capacity=capacity)
+                                          stats=stats, capacity=capacity, compression=config.sparse_compression)
 
     if config.overlap_sparse:
         fut = run_async(job, group=group, device=tensors[0].device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import weakref
 from dataclasses import dataclass, replace
@@ -75,7 +76,7 @@ class _Decisions(dict):
 
     def __repr__(self) -> str:
         if not self:
-            return "sparsecomm decisions: (none yet: a table's first sync takes the partitioned path and measures)"
+            return "sparsecomm decisions: (none yet: a sparse=True table's first sync takes the partitioned path and measures)"
         width = max(len(k) for k in self)
         rows = [f"  {k:<{width}} -> {d.method.value:<11} {d.reason}" for k, d in sorted(self.items())]
         return "sparsecomm decisions:\n" + "\n".join(rows)
@@ -133,6 +134,7 @@ class SparseCommState:
     )
 
     compression = _setting("compression")
+    sparse_compression = _setting("sparse_compression")
     overrides = _setting("overrides")
     sparse_dense_embeddings = _setting("sparse_dense_embeddings")
     scheme = _setting("scheme")
@@ -257,10 +259,24 @@ class SparseCommState:
                 f"(L={self.link.ranks_per_host})" if self.link is not None else "")
         lines = [f"sparsecomm hook: {self.iteration} steps, world size {self.world_size}, "
                  f"one collective ~ {self.latency_bytes:.3g} bytes{link}", repr(self.stats), repr(self.decisions)]
+        lines += self._dense_table_lines()
         forced = {k: v for k, v in self.config.overrides.items() if v != "auto"}
         if forced:
             lines.append("overrides (no decision): " + ", ".join(f"{k} -> {v}" for k, v in sorted(forced.items())))
         return "\n".join(lines)
+
+    def _dense_table_lines(self) -> List[str]:
+        """What the summary says of ``sparse=False`` tables: their gradient is the whole table, so no sparse path."""
+        if not self.dense_embedding_names:
+            return []
+        if self.config.sparse_dense_embeddings:
+            how = "their non-zero rows take the sparse path (sparse_dense_embeddings=True, path 'dense-embedding-rows')"
+        else:
+            how = ("each gradient is the whole table, allreduced with the dense buckets; build the table with "
+                   "sparse=True for the sparse paths, or pass sparse_dense_embeddings=True to send only its "
+                   "non-zero rows")
+        names = ", ".join(f"{k} ({v[0]} x {math.prod(v[1:])})" for k, v in sorted(self.dense_embedding_names.items()))
+        return [f"sparsecomm tables built with sparse=False: {names}:", f"  {how}"]
 
     def __repr__(self) -> str:
         return (f"SparseCommState(world_size={self.world_size}, steps={self.iteration}, "

@@ -157,6 +157,8 @@ class TableSet:
         self._deferred: Optional[DeferredPush] = None
         # The model's forward hook that runs the open round (a lazy set made by group_tables), or None.
         self.hook: Optional[torch.utils.hooks.RemovableHandle] = None
+        # With a forward hook: the tables (positions) of each round of this forward, for it to see a split.
+        self._forward_rounds: List[Tuple[int, ...]] = []
         # With a forward hook: the results of this forward's rounds that record autograd, for it to anchor.
         self._forward_rows: List[torch.Tensor] = []
         # Per round since the last backward, whether it recorded autograd; the last step's, for a joined rank.
@@ -206,6 +208,7 @@ class TableSet:
         self._step_rounds.append(state.grad)
         if self.hook is not None:
             self._forward_rows.extend(r for r in rows if r.requires_grad)
+            self._forward_rounds.append(tuple(sorted({self._index[id(lk.table)] for lk in lookups})))
         seen: Dict[int, int] = {}
         for lk in lookups:
             i = self._index[id(lk.table)]
@@ -222,6 +225,12 @@ class TableSet:
         ``group_tables`` anchors them to the model's output, so every rank's backward runs them)."""
         rows, self._forward_rows = self._forward_rows, []
         return rows
+
+    def take_forward_rounds(self) -> List[Tuple[int, ...]]:
+        """The tables (positions in ``tables``) of each round run since the last call: more than one round in a
+        forward means a result was used before every table was looked up (``group_tables`` warns)."""
+        rounds, self._forward_rounds = self._forward_rounds, []
+        return rounds
 
     def _take_prefetched(self, lookups: List[Lookup]) -> RoundState:
         """The round for ``lookups``: the prefetched one when it was started for exactly them, else a new one."""

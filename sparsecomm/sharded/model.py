@@ -9,6 +9,7 @@ runs every open round and pushes every pending deferred gradient.
 
 from __future__ import annotations
 
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -19,7 +20,7 @@ from sparsecomm.sharded.lookup import TableSet
 from sparsecomm.sharded.pending import resolve
 from sparsecomm.sharded.table import ShardedTable
 
-__all__ = ["sharded_modules", "group_tables", "flush"]
+__all__ = ["sharded_modules", "group_tables", "flush", "split_round_message"]
 
 
 def sharded_modules(model: nn.Module) -> List[Tuple[str, ShardedTable]]:
@@ -56,14 +57,31 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[ShardedTable]] = No
         t.table_set.settle()  # a lookup still pending in its old set runs there first, and its gradient is pushed
         t.table_set = table_set
 
+    names = {id(t): n for n, t in sharded_modules(model)}
+    labels = [names.get(id(t), type(t).__name__) for t in table_set.tables]
+    warned = []
+
     def finish_forward(module, args, output):
         if torch.compiler.is_compiling():
             return output  # compiled lookups run their rounds at once (sparsecomm.sharded.compiled)
         table_set.flush()
+        rounds = table_set.take_forward_rounds()
+        if len(rounds) > 1 and not warned:
+            warned.append(True)
+            warnings.warn(split_round_message(rounds, labels), stacklevel=2)
         return anchor(resolve(output), table_set.take_forward_rows())
 
     table_set.hook = model.register_forward_hook(finish_forward)
     return table_set
+
+
+def split_round_message(rounds: Sequence[Sequence[int]], labels: Sequence[str]) -> str:
+    """The warning of a forward whose grouped lookups ran in several rounds, naming each round's tables."""
+    listed = " then ".join("[" + ", ".join(labels[i] for i in r) + "]" for r in rounds)
+    return (f"sparsecomm: one forward looked its grouped sharded tables up in {len(rounds)} rounds ({listed}): "
+            f"a lookup's result was used before every table was looked up, so the round split, and each round "
+            f"costs its own exchanges (2-3 collectives each way). Look every table up before using any result "
+            f"to keep one round per step. (Warned once per model.)")
 
 
 def flush(model: nn.Module) -> None:
