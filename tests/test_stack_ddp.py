@@ -1,4 +1,5 @@
-"""The DDP hook inside real training stacks: ``static_graph=True``, ``Join`` with uneven inputs, errors intact.
+"""The DDP hook inside real training stacks: ``no_sync`` accumulation, ``gradient_as_bucket_view``, bf16 autocast,
+``static_graph=True``, ``Join`` with uneven inputs, errors intact.
 
 Each case trains the hook (``sparsecomm.register``) and plain DDP on a twin
 with dense gradients (same weights, ``sparse=False``: gloo's sparse
@@ -8,6 +9,7 @@ one process training on the whole batch. A case that hung would fail at the
 collective timeout instead of passing.
 """
 
+import contextlib
 import copy
 import os
 import signal
@@ -135,7 +137,34 @@ def _errors_intact(rank, world):
     return seen
 
 
+def _accumulate(rank, world, ddp_kwargs, autocast):
+    """``no_sync`` for the first of every two micro-batches (gradients add up locally, sparse and dense), a synced
+    second one, then a step; with ``ddp_kwargs`` (``gradient_as_bucket_view``) and under bf16 autocast: the hook
+    against plain DDP doing the same, every weight after every step."""
+    _, ours, state, ref = twins(4, ddp_kwargs, **({"fuse_dense": False} if autocast else {}))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.2) for m in (ours, ref)]
+    tol = 2e-2 if autocast else TOL
+    worst = 0.0
+    for step in range(4):
+        for model, opt in ((ours, opts[0]), (ref, opts[1])):
+            opt.zero_grad(set_to_none=True)
+            for micro in range(2):
+                x, bags, y = batch(rank, 2 * step + micro)
+                with (model.no_sync() if micro == 0 else contextlib.nullcontext()), \
+                        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = ((model(x, bags).float() - y) ** 2).mean()
+                loss.backward()
+            opt.step()
+        worst = max(worst, max_diff(ours.module, ref.module))
+        assert worst < tol, (step, worst)
+    assert state.iteration == 4, state.iteration  # one synced backward a step
+    return worst
+
+
 CASES = [
+    ("no-sync", _accumulate, (None, False)),
+    ("no-sync-bucket-view", _accumulate, ({"gradient_as_bucket_view": True}, False)),
+    ("no-sync-bf16-autocast", _accumulate, (None, True)),
     ("static-graph", _static_graph, ({},)),
     ("static-graph-overlap-unfused", _static_graph, ({"overlap_sparse": True, "fuse_dense": False},)),
     ("join-two-short", _join, ({}, 2)),
@@ -153,6 +182,7 @@ def test_static_graph_join_and_errors_match_plain_ddp(world):
     results = run_ranks(world, _all_cases)
     for r, res in results.items():
         assert res["static-graph"] < TOL and res["join-two-short"] < TOL
+        assert res["no-sync"] < TOL and res["no-sync-bucket-view"] < TOL and res["no-sync-bf16-autocast"] < 2e-2
         assert len(res["errors-intact"]) == 1 and "NaN" in res["errors-intact"][0], res["errors-intact"]
 
 
