@@ -34,8 +34,10 @@ class HookConfig:
             gradient's dtype; each rank's result is the same bitwise, within
             about 2 units of the wire dtype's roundoff of the exact sum
             (``sparse_allreduce(compression=...)``). Ids and metadata stay
-            exact; "densify" and "torch" ignore it. Half the value bytes: for
-            a slow link between hosts. "none" is read as None.
+            exact; "densify" and "torch" ignore it. Dense buckets are not fused
+            into the exchange then (they keep their own exact allreduce).
+            Half the value bytes: for a slow link between hosts. "none" is
+            read as None.
         overrides: ``{parameter name: "partitioned" | "allgather" | "densify" | "torch" | "tree" | "auto"}``.
         sparse_dense_embeddings: for embeddings trained with dense gradients
             (``sparse=False``), send only their non-zero rows through the
@@ -66,7 +68,8 @@ class HookConfig:
             exchange (every rank sends its bucket to every rank, which sums
             them in rank order) instead of an allreduce of their own, where
             the cost model says a collective's latency is worth more than
-            the extra bytes (default True; never with ``compression``).
+            the extra bytes (default True; never with ``compression`` or
+            ``sparse_compression``).
         tune: measure instead of trusting the model (off by default): after a
             table's first sync, try each path the model rates within 4x of
             its best (and the best) for ``tune_samples`` + 1 syncs, the first
