@@ -69,8 +69,10 @@ class EarlyUse(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         u = self.user(ids)
-        scale = u.sum() if self.early else 1.0        # reads the first result: its round runs here, alone
-        return u * scale + self.item(ids)
+        if self.early:
+            u = u * u.sum()                            # reads the first result: its round runs here, alone
+        i = self.item(ids)
+        return u + i
 
 
 @pytest.mark.parametrize("early", [False, True])
@@ -84,6 +86,6 @@ def test_a_grouped_round_split_by_an_early_use_warns_once_naming_the_tables(earl
     if early:
         assert "in 2 rounds ([user] then [item])" in str(split[0].message)
         assert "Look every table up before using any result" in str(split[0].message)
-    reference = model.user.full_weight()[ids] * (model.user.full_weight()[ids].sum() if early else 1.0) \
-        + model.item.full_weight()[ids]
+    u = model.user.full_weight()[ids]
+    reference = (u * u.sum() if early else u) + model.item.full_weight()[ids]
     assert torch.equal(out[1], reference)              # the warning changes nothing
