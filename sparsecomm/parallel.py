@@ -11,6 +11,7 @@ checked before anything is modified (docs/PARALLELIZE.md).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
@@ -80,6 +81,10 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
         optimizer_class: ``torch.optim.SGD``, ``Adagrad``, ``Adam`` or
             ``SparseAdam`` (any torch optimizer when nothing is sharded).
         plan: placements (default: ``sparsecomm.plan(model, sample_batch, ...)``).
+            A plan made for another optimizer is taken for this one
+            (``Plan.adopt_optimizer``: memory figures and the budget checked
+            again; a warning on rank 0 when its costs were predicted from a
+            sample batch).
         process_group: the ranks training together (default: the whole world).
         sample_batch, memory_budget: passed to :func:`sparsecomm.plan` when no plan is given.
         ddp_kwargs: extra arguments of ``DistributedDataParallel``.
@@ -107,7 +112,9 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
                          optimizer=optimizer_class)
     group = (process_group or dist.group.WORLD) if n > 1 else None
     error = None
+    former = None
     try:
+        former = plan.adopt_optimizer(optimizer_class, modules, n)  # the plan is for what parallelize trains with
         _check_plan(model, plan, modules, n, optimizer_class)
         sparse_replicas = any(modules[name].sparse for name in modules if name not in plan.sharded())
         check_optimizer(optimizer_class, optimizer_kwargs, bool(plan.sharded()), sparse_replicas)
@@ -122,6 +129,12 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
             raise ValueError(f"sparsecomm.parallelize: rank {r} shards {placed} but rank 0 shards {verdicts[0][1]}: "
                              f"pass the same plan on every rank")
 
+    if former is not None and world(process_group)[0] == 0 and any(t.bytes_sharded is not None
+                                                                   for t in plan.tables.values()):
+        warnings.warn(f"sparsecomm.parallelize: the plan was made for {former} and trains {plan.optimizer}: its "
+                      f"memory figures now count {plan.optimizer}'s state, but its costs predicted from the sample "
+                      f"batch were priced for {former} and may have placed tables differently; make the plan with "
+                      f"optimizer={plan.optimizer}", stacklevel=2)
     # Nothing was modified so far. A plan from a checkpoint at another world size keeps its placements
     # (its numbers are that world's). Shard the planned tables, with rank 0's rows.
     plan.world_size = n

@@ -140,6 +140,31 @@ class Plan:
         t.reason = "set by plan.override"
         return self
 
+    def adopt_optimizer(self, optimizer: Any, modules: Dict[str, nn.Module], world_size: int) -> Optional[str]:
+        """Make this the plan for training with ``optimizer`` (``parallelize``'s), in place; the former name.
+
+        Placements stay; each table's memory and blockers are derived again
+        for that optimizer's state and the memory budget checked again. Costs
+        predicted from a sample batch keep the former optimizer's price (the
+        caller warns). Returns None when the plan was already made for it.
+
+        Raises:
+            ValueError: the placements no longer fit the memory budget.
+        """
+        name, former = optimizer_name(optimizer), self.optimizer
+        if name == former:
+            return None
+        for table, t in self.tables.items():
+            fresh = _describe(table, modules[table], world_size, name)
+            t.memory_replicated, t.memory_sharded, t.blocker = fresh.memory_replicated, fresh.memory_sharded, \
+                fresh.blocker
+        self.optimizer = name
+        if self.memory_budget is not None and self.memory_per_rank() > self.memory_budget:
+            raise ValueError(f"sparsecomm.parallelize: the plan was made for {former}; with {name}'s optimizer state "
+                             f"its tables take {_mib(self.memory_per_rank())} MiB per rank, over the memory budget of "
+                             f"{_mib(self.memory_budget)} MiB: make the plan with optimizer={name}")
+        return former
+
     def memory_per_rank(self) -> int:
         """Bytes of tables and their optimizer state on each rank under this plan."""
         return sum(t.memory for t in self.tables.values())
@@ -218,6 +243,11 @@ def _blocker(m: nn.Module) -> str:
     if m.scale_grad_by_freq:
         return "scale_grad_by_freq=True scales by the batch's id counts (only a replica does that)"
     return ""
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """An optimizer class's name (``torch.optim.Adagrad`` -> ``"Adagrad"``); a string as it is."""
+    return optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", str(optimizer))
 
 
 def _describe(name: str, m: nn.Module, n: int, optimizer: str) -> TablePlan:
@@ -306,7 +336,7 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
         ValueError: on every rank, when the ranks' models differ, or no
             placement fits the memory budget.
     """
-    opt = optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", str(optimizer))
+    opt = optimizer_name(optimizer)
     _, n = world(process_group)
     group = (process_group or dist.group.WORLD) if n > 1 else None
     modules = embedding_modules(model)

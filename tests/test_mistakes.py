@@ -89,3 +89,37 @@ def test_a_grouped_round_split_by_an_early_use_warns_once_naming_the_tables(earl
     u = model.user.full_weight()[ids]
     reference = (u * u.sum() if early else u) + model.item.full_weight()[ids]
     assert torch.equal(out[1], reference)              # the warning changes nothing
+
+
+class Tables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.EmbeddingBag(50_000, 16, sparse=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.big(ids)
+
+
+def test_parallelize_takes_the_optimizer_it_trains_with_from_itself_not_from_the_plan(recwarn):
+    sgd_bytes = 50_000 * 16 * 4
+    model = Tables()
+    p = sparsecomm.plan(model)                                   # made for SGD, the default
+    model, opt = sparsecomm.parallelize(model, torch.optim.Adagrad, plan=p, lr=0.1)
+    applied = getattr(model, "module", model).sparsecomm_plan
+    assert applied.optimizer == "Adagrad" and applied["big"].memory_replicated == 2 * sgd_bytes
+    assert "optimizer Adagrad" in str(applied)
+    assert not [w for w in recwarn if "the plan was made for" in str(w.message)]   # nothing was predicted
+    # With predictions from a sample batch: the same, and a warning that they were priced for SGD.
+    model = Tables()
+    p = sparsecomm.plan(model, torch.tensor([[1, 2], [3, 4]]))
+    with pytest.warns(UserWarning, match="the plan was made for SGD and trains Adagrad.*optimizer=Adagrad"):
+        sparsecomm.parallelize(model, torch.optim.Adagrad, plan=p, lr=0.1)
+    # A budget the plan fitted for SGD but not with Adagrad's state: refused before anything changes.
+    model = Tables()
+    p = sparsecomm.plan(model, memory_budget=sgd_bytes)
+    before = model.big.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"made for SGD; with Adagrad's optimizer state its tables take 6.10 MiB "
+                                         r"per rank, over the memory budget of 3.05 MiB: make the plan with "
+                                         r"optimizer=Adagrad"):
+        sparsecomm.parallelize(model, torch.optim.Adagrad, plan=p, lr=0.1)
+    assert isinstance(model.big, nn.EmbeddingBag) and torch.equal(model.big.weight, before)
