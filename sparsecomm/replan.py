@@ -410,9 +410,16 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
 
     Returns:
         ``(model, optimizer)``: the optimizer is the same object, changed in
-        place (its param groups of the parts that stay are the same dicts, so
-        an LR scheduler bound to it goes on driving them; a part made for
-        incoming tables starts from the group they come from, lr included).
+        place: the param groups of the parts that stay are the same dicts,
+        and a part made for incoming tables starts from the group they come
+        from (lr and a scheduler's ``initial_lr`` included). So an LR
+        scheduler made before goes on: one that steps each group from its
+        own lr (``StepLR``, ``MultiStepLR``, ``ExponentialLR``) drives every
+        group, a new part's too; one that keeps a list per group from its
+        construction (``LambdaLR``, ``CosineAnnealingLR``'s ``base_lrs``)
+        drives groups by position, so make it again after a replan that adds
+        or removes a part (a part comes when the first table of its kind
+        arrives, goes with the last).
         The model is a new DDP wrapper when a table moved in or out of the
         replicas (DDP's parameters are fixed when it is built), else the
         same: use what is returned. Sharded tables that moved are new modules.

@@ -280,10 +280,70 @@ def case_options(rank, world):
     frozen.tables["c"].placement = "shard"
     expect_value_error(lambda: sparsecomm.replan(model, opt, frozen), "frozen")
     assert all(type(m) in (nn.Embedding, nn.EmbeddingBag, nn.Linear) for m in inner_of(model).children())
+    # A table keeps its learning rate: joining a group with another one is refused.
+    net = Net()
+    p = plan_for(sparsecomm.plan(net, small_table_bytes=0), {"a": [H], "b": [R], "c": [R]}, 0)
+    model, opt = sparsecomm.parallelize(net, torch.optim.SGD, plan=p, lr=0.1)
+    opt.sharded.param_groups[0]["lr"] = 0.05
+    expect_value_error(lambda: sparsecomm.replan(model, opt, plan_for(copy.deepcopy(p), {"a": [R]}, 0)),
+                       "would change its hyperparameters {'lr': (0.05, 0.1)}")
+    assert isinstance(inner_of(model).a, sharded.ShardedEmbeddingBag)
     return True
 
 
-CASES = {"chain": case_chain, "checkpoint": case_checkpoint, "refusals": case_refusals, "options": case_options}
+class RowwiseReference(Reference):
+    """Row-wise Adagrad by hand for tables a and b (one sum per row: the mean of g^2), torch's Adagrad for the rest."""
+
+    def __init__(self, kw) -> None:
+        self.model, self.kw, self.steps = Net(), kw, 0
+        m = self.model
+        self.opts = [torch.optim.Adagrad(list(m.c.parameters()) + list(m.mlp.parameters()), **kw)]
+        self.sched = None
+        self.sums = {t: torch.full((getattr(m, t).num_embeddings,), kw["initial_accumulator_value"],
+                                   dtype=torch.float64) for t in ("a", "b")}
+
+    def step(self, step: int) -> None:
+        for t in ("a", "b"):
+            getattr(self.model, t).weight.grad = None
+        super().step(step)
+        self.steps += 1
+        clr = self.kw["lr"] / (1 + (self.steps - 1) * self.kw["lr_decay"])
+        with torch.no_grad():
+            for t, acc in self.sums.items():
+                w = getattr(self.model, t).weight
+                g = w.grad.coalesce()
+                rows, values = g.indices()[0], g.values()
+                acc[rows] += values.pow(2).mean(1)
+                w[rows] -= clr * values / (acc[rows].sqrt() + 1e-10).unsqueeze(1)
+
+
+def case_rowwise(rank, world):
+    """Row-wise Adagrad's sums move with their rows between hash and range; to a replica they are refused."""
+    cls, kw = OPTIMIZERS["adagrad"]
+    placements = {"a": [H, G, H, G], "b": [G, H, H, G], "c": [R] * 4}
+    net = Net()
+    model, opt = sparsecomm.parallelize(net, cls, plan=plan_for(sparsecomm.plan(net, small_table_bytes=0),
+                                                                placements, 0), **kw)
+    tables = opt.sharded.tables()
+    opt.set_parts({**opt.parts, "sharded": sharded.ShardedAdagrad(tables, rowwise=True, lr=kw["lr"],
+                                                                   lr_decay=kw["lr_decay"],
+                                                                   initial_accumulator_value=0.1)})
+    ref = RowwiseReference(kw)
+    for i in range(4):
+        if i:
+            model, opt = sparsecomm.replan(model, opt, plan_for(copy.deepcopy(inner_of(model).sparsecomm_plan),
+                                                                placements, i))
+            assert opt.sharded.rowwise and placed(model) == {t: p[i] for t, p in placements.items()}
+        train_step(model, opt, None, i, rank, world)
+        opt.zero_grad()
+        ref.step(i)
+        assert_same(model, ref.model, f"row-wise Adagrad, world {world}, after plan {i}")
+    to_replica = plan_for(copy.deepcopy(inner_of(model).sparsecomm_plan), {"a": [R]}, 0)
+    expect_value_error(lambda: sparsecomm.replan(model, opt, to_replica), "row-wise")
+    return True
+
+
+CASES = {"chain": case_chain, "rowwise": case_rowwise, "checkpoint": case_checkpoint, "refusals": case_refusals, "options": case_options}
 
 
 def worker(rank, world, cases):
@@ -297,9 +357,10 @@ def _chains(names, every_step=True):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("replan") / "ckpt")
-    every = _chains(OPTIMIZERS) + [("refusals", ()), ("options", ()), ("checkpoint", (directory + "-2",))]
+    every = _chains(OPTIMIZERS) + [("rowwise", ()), ("refusals", ()), ("options", ()),
+                                   ("checkpoint", (directory + "-2",))]
     return {2: run_ranks(2, worker, every, join_timeout_s=300),
-            3: run_ranks(3, worker, _chains(["adam"]) + [("refusals", ())], join_timeout_s=300)}
+            3: run_ranks(3, worker, _chains(["adam"]) + [("rowwise", ()), ("refusals", ())], join_timeout_s=300)}
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -316,6 +377,11 @@ def test_refusals_change_nothing_on_every_rank(runs, world):
     assert all(runs[world][r]["refusals"] for r in range(world))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_rowwise_adagrad_moves_between_schemes(runs, world):
+    assert all(runs[world][r]["rowwise"] for r in range(world))
+
+
 def test_options_a_shard_cannot_follow_are_refused(runs):
     assert all(runs[2][r]["options"] for r in range(2))
 
@@ -326,12 +392,13 @@ def test_a_checkpoint_after_replans_loads_into_the_new_plan(runs):
 
 def test_without_torch_distributed_it_is_a_world_of_one():
     case_chain(0, 1, "sgd")
-    assert case_refusals(0, 1) and case_options(0, 1)
+    assert case_refusals(0, 1) and case_options(0, 1) and case_rowwise(0, 1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 3])
 def test_every_pair_every_optimizer_at_worlds_1_and_3(world, tmp_path):
-    cases = _chains(OPTIMIZERS) + [("refusals", ()), ("options", ()), ("checkpoint", (str(tmp_path / "c"),))]
+    cases = _chains(OPTIMIZERS) + [("rowwise", ()), ("refusals", ()), ("options", ()),
+                                   ("checkpoint", (str(tmp_path / "c"),))]
     out = run_ranks(world, worker, cases, join_timeout_s=600)
     assert all(all(out[r].values()) for r in range(world))
