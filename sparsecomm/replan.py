@@ -398,9 +398,10 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
     Args:
         model: what ``parallelize`` (or the last ``replan``) returned.
         optimizer: its :class:`~sparsecomm.sharded.combined.ParallelOptimizer`.
-        new_plan: the placements (e.g. ``copy.deepcopy(model.sparsecomm_plan)``
-            with ``override(name, "shard", "range")``); it becomes the
-            model's ``sparsecomm_plan``.
+        new_plan: the placements, e.g. the model's ``sparsecomm_plan`` (or a
+            copy) after ``override(name, "shard", "range")``: what moves is
+            read from the model's modules, not from the old plan. It becomes
+            the model's ``sparsecomm_plan``.
         process_group: the group given to ``parallelize`` (default: the world).
         ddp_kwargs: the ``DistributedDataParallel`` arguments given to
             ``parallelize``, for the new wrapper when the set of replicated
