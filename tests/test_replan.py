@@ -4,8 +4,9 @@ A model with an EmbeddingBag, an Embedding with padding_idx (both sparse)
 and a sparse=False Embedding goes through a chain of plans that moves every
 table through every pair of placements (replicate, hash, range), one
 training step between two plans, with SGD (and an LR scheduler made before
-the first replan), Adagrad and Adam. After every step, every weight equals
-one process training on the whole batch with torch's optimizers. Refusals
+the first replan), Adagrad (also row-wise), Adam and SparseAdam. After
+every step, every weight equals one process training on the whole batch
+with torch's optimizers. Refusals
 (pending gradients, a prefetched round, a plan of other tables, ranks'
 plans that differ) raise on every rank and change nothing.
 """
@@ -36,7 +37,8 @@ CHAIN = {"a": [R, H, G, R, G, H, R, R, H],
          "c": [R, R, H, H, R, G, G, R, R]}   # sparse=False: replicated under Adam (a sharded Adam is lazy)
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.3)),
               "adagrad": (torch.optim.Adagrad, dict(lr=0.2, lr_decay=0.01, initial_accumulator_value=0.1)),
-              "adam": (torch.optim.Adam, dict(lr=0.05))}
+              "adam": (torch.optim.Adam, dict(lr=0.05)), "sparseadam": (torch.optim.SparseAdam, dict(lr=0.05))}
+LAZY = ("adam", "sparseadam")   # SparseAdam's rule for the sparse tables, Adam's for the rest
 
 
 class Net(nn.Module):
@@ -69,7 +71,7 @@ def loss_of(model, b):
 
 
 def chain(name: str):
-    return {t: ([R] * len(p) if name == "adam" and t == "c" else p) for t, p in CHAIN.items()}
+    return {t: ([R] * len(p) if name in LAZY and t == "c" else p) for t, p in CHAIN.items()}
 
 
 def inner_of(model):
@@ -97,7 +99,7 @@ class Reference:
         cls, kw = OPTIMIZERS[name]
         self.model = Net()
         m = self.model
-        if name == "adam":
+        if name in LAZY:
             self.opts = [torch.optim.Adam(list(m.c.parameters()) + list(m.mlp.parameters()), **kw),
                          torch.optim.SparseAdam([m.a.weight, m.b.weight], **kw)]
         else:
