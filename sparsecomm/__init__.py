@@ -12,6 +12,7 @@ from sparsecomm import sharded
 from sparsecomm.hooks import HookConfig, SparseCommState, register, sparsecomm_hook
 from sparsecomm.planner import Plan, TablePlan, plan
 from sparsecomm.parallel import parallelize
+from sparsecomm.replan import replan
 from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded import ShardedAdagrad, ShardedAdam, ShardedEmbedding, ShardedEmbeddingBag, ShardedSGD
 from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod, Topology
@@ -21,7 +22,7 @@ __all__ = [
     "ops", "init_distributed", "shutdown", "topology",
     "sparse_allreduce", "sparse_allreduce_coalesced", "last_stats", "SparseSyncStats", "SyncMethod", "PartitionScheme", "Topology",
     "register", "sparsecomm_hook", "SparseCommState", "HookConfig",
-    "plan", "Plan", "TablePlan", "parallelize", "ParallelOptimizer",
+    "plan", "Plan", "TablePlan", "parallelize", "replan", "ParallelOptimizer",
     "sharded", "ShardedEmbedding", "ShardedEmbeddingBag", "ShardedSGD", "ShardedAdagrad", "ShardedAdam",
     "__version__",
 ]

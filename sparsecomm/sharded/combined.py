@@ -21,6 +21,7 @@ schedulers drive every part.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
@@ -30,7 +31,7 @@ import torch.nn as nn
 from sparsecomm.collectives.objects import agree
 from sparsecomm.sharded.optimizer import ShardedAdagrad, ShardedAdam, ShardedOptimizer, ShardedSGD
 
-__all__ = ["ParallelOptimizer", "check_optimizer", "build_optimizer", "OPTIMIZER_FORMAT"]
+__all__ = ["ParallelOptimizer", "OptimizerSpec", "Incoming", "check_optimizer", "build_optimizer", "OPTIMIZER_FORMAT", "PARTS"]
 
 OPTIMIZER_FORMAT = "sparsecomm.parallel_optimizer/1"
 
@@ -44,6 +45,47 @@ _TWINS: Dict[Type[torch.optim.Optimizer], Tuple[Type[ShardedOptimizer], Tuple[st
     torch.optim.SparseAdam: (ShardedAdam, ("lr", "betas", "eps"), {"maximize": False}),
 }
 _ADAM = (torch.optim.Adam, torch.optim.SparseAdam)
+# The parts of a ParallelOptimizer, in the order of its param groups.
+PARTS = ("dense", "sparse", "sharded")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSpec:
+    """The torch optimizer a :class:`ParallelOptimizer` was built from: its class and options (what a part
+    built later, by ``sparsecomm.replan``, is built from)."""
+
+    optimizer_class: Type[torch.optim.Optimizer]
+    options: Tuple[Tuple[str, Any], ...]
+
+    @property
+    def kwargs(self) -> Dict[str, Any]:
+        return dict(self.options)
+
+    def replica_part(self, sparse: bool) -> str:
+        """The part a replicated parameter joins: ``"sparse"`` for sparse tables under Adam, else ``"dense"``."""
+        return "sparse" if sparse and self.optimizer_class in _ADAM else "dense"
+
+    def replica_params(self, dense: Sequence[torch.Tensor], sparse: Sequence[torch.Tensor]
+                       ) -> Dict[str, List[torch.Tensor]]:
+        """The replicated parameters of each part, in :func:`build_optimizer`'s order."""
+        if self.optimizer_class in _ADAM:
+            return {"dense": list(dense), "sparse": list(sparse)}
+        return {"dense": list(dense) + list(sparse)}
+
+    def part_options(self, part: str) -> Dict[str, Any]:
+        """The options :func:`build_optimizer` gives ``part``'s optimizer."""
+        kw = self.kwargs
+        if self.optimizer_class in _ADAM and (part != "dense" or self.optimizer_class is torch.optim.SparseAdam):
+            return _table_kwargs(self.optimizer_class, kw)
+        return _table_kwargs(self.optimizer_class, kw) if part == "sharded" else kw
+
+    def part_class(self, part: str) -> Type[torch.optim.Optimizer]:
+        """The optimizer class of ``part`` (see the module docstring's table)."""
+        if part == "sharded":
+            return _TWINS[self.optimizer_class][0]
+        if self.optimizer_class in _ADAM:
+            return torch.optim.SparseAdam if part == "sparse" else torch.optim.Adam
+        return self.optimizer_class
 
 
 def check_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict[str, Any], sharded: bool,
@@ -82,6 +124,34 @@ def check_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict[s
                                  f"gradient (plan.override(name, 'replicate'), sparse=False)")
 
 
+@dataclasses.dataclass
+class Incoming:
+    """A parameter that joins a part of a :class:`ParallelOptimizer` (``sparsecomm.replan``): a replica's
+    weight or a sharded table, its state in that part's form, and the param group it comes from."""
+
+    item: Any                          # the replica's weight, or the ShardedTable
+    part: str                          # the part it joins: "dense", "sparse" or "sharded"
+    state: Dict[str, Any]              # torch's state for a replica; step + this rank's rows for a table
+    source: Dict[str, Any]             # the param group it leaves
+    source_defaults: Dict[str, Any]    # the defaults of the optimizer it leaves
+
+
+def _set_params(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], states: Dict[int, Dict[str, Any]]
+                ) -> None:
+    """Make ``params`` the first param group's; those in ``states`` get that state, those left out lose theirs."""
+    group = opt.param_groups[0]
+    live = {id(p) for p in params}
+    for p in group["params"]:
+        if id(p) not in live:
+            opt.state.pop(p, None)
+    group["params"] = list(params)
+    for p in params:
+        if id(p) in states:
+            opt.state.pop(p, None)
+            if states[id(p)]:
+                opt.state[p] = states[id(p)]
+
+
 def _table_kwargs(optimizer_class, kwargs: Dict[str, Any]) -> Dict[str, Any]:
     keep = _TWINS[optimizer_class][1]
     return {k: v for k, v in kwargs.items() if k in keep}
@@ -104,6 +174,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if not parts:
             raise ValueError("ParallelOptimizer needs at least one optimizer")
         self.parts = parts
+        # How the parts were made (set by build_optimizer; None for parts given by hand).
+        self.spec: Optional[OptimizerSpec] = None
         self.defaults: Dict[str, Any] = {}
         for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                       "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
@@ -123,6 +195,53 @@ class ParallelOptimizer(torch.optim.Optimizer):
     @property
     def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
         return {p: s for opt in self.parts.values() for p, s in opt.state.items()}
+
+    def set_parts(self, parts: Dict[str, torch.optim.Optimizer]) -> None:
+        """Replace the parts (``sparsecomm.replan``): kept in :data:`PARTS` order, so :attr:`param_groups` are
+        ordered as :func:`build_optimizer` orders them."""
+        unknown = sorted(set(parts) - set(PARTS))
+        if unknown or not parts:
+            raise ValueError(f"ParallelOptimizer parts must be some of {PARTS}, got {sorted(parts)}")
+        self.parts = OrderedDict((k, parts[k]) for k in PARTS if k in parts)
+
+    def regroup(self, wanted: Dict[str, Sequence[Any]], incoming: Sequence[Incoming]) -> None:
+        """Give each part the parameters ``wanted`` lists (``sparsecomm.replan``), in that order.
+
+        A part keeps its optimizer and the state of what stays; ``incoming``
+        brings its state; what leaves loses it. A part that ends up empty
+        goes; one that is needed and missing is made from :attr:`spec`, its
+        hyperparameters those of the group its first incoming parameter
+        leaves (with what an LR scheduler added there, ``initial_lr``...).
+        Parameters of the ``"dense"`` part's later groups (``add_param_group``) stay there.
+        """
+        parts: Dict[str, torch.optim.Optimizer] = {}
+        for part in PARTS:
+            items, opt = list(wanted.get(part, [])), self.parts.get(part)
+            mine = [i for i in incoming if i.part == part]
+            if opt is None and items:
+                opt = self._new_part(part, items, mine[0])
+            if opt is None:
+                continue
+            extra = {id(p) for g in opt.param_groups[1:] for p in g["params"]}
+            items = [p for p in items if id(p) not in extra]
+            if not items and len(opt.param_groups) == 1:
+                continue
+            states = {id(i.item): i.state for i in mine}
+            if part == "sharded":
+                opt.set_tables(items, states)
+            else:
+                _set_params(opt, items, states)
+            parts[part] = opt
+        self.set_parts(parts)
+
+    def _new_part(self, part: str, items: Sequence[Any], first: Incoming) -> torch.optim.Optimizer:
+        if self.spec is None:
+            raise ValueError("this ParallelOptimizer was not built by build_optimizer: it cannot make a new part")
+        options = {k: first.source.get(k, v) for k, v in self.spec.part_options(part).items()}
+        opt = self.spec.part_class(part)(list(items), **options)
+        opt.param_groups[0].update({k: v for k, v in first.source.items()
+                                    if k != "params" and k not in first.source_defaults})
+        return opt
 
     @property
     def sharded(self) -> Optional[ShardedOptimizer]:
@@ -252,4 +371,6 @@ def build_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict[s
     if tables:
         twin = _TWINS[optimizer_class][0]
         parts["sharded"] = twin(list(tables), **_table_kwargs(optimizer_class, kwargs))
-    return ParallelOptimizer(parts)
+    optimizer = ParallelOptimizer(parts)
+    optimizer.spec = OptimizerSpec(optimizer_class, tuple(sorted(kwargs.items())))
+    return optimizer

@@ -446,6 +446,17 @@ class TableSet:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    def busy(self) -> Optional[str]:
+        """Why this set's tables cannot be replaced now (``sparsecomm.replan``), or None: a prefetched round, open
+        lookups, or a round whose backward has not run."""
+        if self._prefetched is not None:
+            return "a prefetched round is pending (look its handles up first)"
+        if self._open:
+            return "lookups are open (their round has not run)"
+        if self._awaiting:
+            return "a round awaits its backward (run backward and step first)"
+        return None
+
     def settle(self) -> None:
         """Run the open round and push a pending deferred gradient (collective): the shards hold every update."""
         self.flush()

@@ -56,7 +56,7 @@ with ``torch.optim.SGD`` / ``Adagrad`` / ``SparseAdam``:
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Tuple, Union
+from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -221,6 +221,43 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     w.grad.zero_()
             if table.hot is not None:
                 table.hot.clear_gradient()
+
+    @torch.no_grad()
+    def set_tables(self, tables: Sequence[ShardedTable], incoming: Dict[int, Dict[str, Any]]) -> None:
+        """Make ``tables`` (in this order) the tables of the one param group (``sparsecomm.replan``).
+
+        A table already here keeps its state; a new one (``id(table)`` in
+        ``incoming``) gets ``incoming``'s ``step`` and row tensors (this
+        rank's rows, slot order; a rule's tensor left out starts as a new
+        table's would); tables left out are dropped with their state.
+
+        Raises:
+            ValueError: the optimizer has several param groups.
+        """
+        if len(self.param_groups) != 1:
+            raise ValueError(f"{type(self).__name__}.set_tables needs one param group, it has "
+                             f"{len(self.param_groups)}")
+        group = self.param_groups[0]
+        keep = {id(t) for t in tables}
+        for q in group["params"]:
+            old = self._tables.pop(id(q))
+            if id(old) not in keep or id(old) in incoming:
+                self.state.pop(old.local_weight, None)
+            else:
+                self._tables[id(q)] = old
+        group["params"] = [t.weight for t in tables]
+        for t in tables:
+            if id(t) not in incoming:
+                continue
+            self._tables[id(t.weight)] = t
+            state = self._init_state(t.local_weight, group)
+            for name, rows in incoming[id(t)].items():
+                if name == "step":
+                    state["step"] = int(rows)
+                elif name in self.row_state_names:
+                    state[name].copy_(rows)
+            self.state[t.local_weight] = state
+            t.attach_optimizer(self)
 
     def tables(self) -> List[ShardedTable]:
         """The sharded tables this optimizer updates, in param-group order."""

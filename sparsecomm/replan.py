@@ -1,0 +1,466 @@
+"""``sparsecomm.replan``: move tables between placements during training, with their optimizer state, exactly.
+
+A model from :func:`sparsecomm.parallelize` holds each embedding table in one
+of three placements: replicated (an ``nn.Embedding(Bag)`` under DDP and the
+sparsecomm hook, its state in a torch optimizer) or row-sharded by ``"hash"``
+or ``"range"`` ownership (a ``ShardedEmbedding(Bag)``, its state row-aligned on
+the owners). :func:`replan` moves tables between them so that the steps after
+it are the steps the new placement would have taken from the start:
+
+====================  ==========================================================
+move                  what travels
+====================  ==========================================================
+replicate -> shard    nothing: each rank keeps its owned rows of the replica and
+                      of its state (both are the same on every rank)
+shard -> replicate    one all-gather of each shard's rows with their state
+hash <-> range        one all-to-all: the rows and their state through the table
+                      in id order (:mod:`sparsecomm.sharded.dcp`) to the new owners
+====================  ==========================================================
+
+The state that moves, per rule: SGD none, Adagrad its sums and step,
+Adam (``SparseAdam`` for a replicated sparse table) its two moments and step.
+The :class:`~sparsecomm.sharded.combined.ParallelOptimizer` is changed in
+place into the parts ``parallelize`` would build for the new plan, in its
+layout, so a checkpoint written after a replan loads into a model
+parallelized with the new plan.
+
+Everything is checked on every rank and agreed before anything changes
+(one all-gather of objects): a refusal raises on every rank and changes
+nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sparsecomm.collectives.objects import all_gather_objects, world
+from sparsecomm.collectives.sharded_exchange import allgather_table_rows
+from sparsecomm.hooks import register
+from sparsecomm.planner import Plan, TablePlan, embedding_modules
+from sparsecomm.sharded import dcp
+from sparsecomm.sharded.combined import Incoming, OptimizerSpec, ParallelOptimizer, check_optimizer
+from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag
+from sparsecomm.sharded.model import flush, group_tables, sharded_modules
+from sparsecomm.sharded.table import ShardedTable
+
+__all__ = ["replan", "REPLICATE"]
+
+REPLICATE = "replicate"
+_WHAT = "sparsecomm.replan"
+
+
+def _where(t: TablePlan) -> str:
+    """A table's placement in one word: ``"replicate"``, ``"hash"`` or ``"range"``."""
+    return t.scheme if t.placement == "shard" else REPLICATE
+
+
+def _current(m: nn.Module) -> str:
+    return m.scheme if isinstance(m, ShardedTable) else REPLICATE
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """The module options that rebuild a table under another placement."""
+
+    bag: bool
+    num_embeddings: int
+    embedding_dim: int
+    padding_idx: Optional[int]
+    mode: str = "mean"
+    include_last_offset: bool = False
+    sparse: bool = True              # of the replica (a sharded table's gradient is sparse)
+    grad_reduction: str = "mean"     # of the sharded table (a replica's is DDP's mean)
+
+    @classmethod
+    def of(cls, m: nn.Module) -> "TableSpec":
+        return cls(isinstance(m, (nn.EmbeddingBag, ShardedEmbeddingBag)), m.num_embeddings, m.embedding_dim,
+                   m.padding_idx, getattr(m, "mode", "mean"), getattr(m, "include_last_offset", False),
+                   getattr(m, "sparse", getattr(m, "replica_sparse", True)), getattr(m, "grad_reduction", "mean"))
+
+    def sharded(self, weight: torch.Tensor, scheme: str, group, seed: int) -> ShardedTable:
+        """The sharded table holding this rank's rows of ``weight`` (a full table, the same on every rank)."""
+        common = dict(scheme=scheme, group=group, grad_reduction=self.grad_reduction, seed=seed,
+                      dtype=weight.dtype, device=weight.device, _weight=weight)
+        if self.bag:
+            table: ShardedTable = ShardedEmbeddingBag(self.num_embeddings, self.embedding_dim, self.mode,
+                                                      include_last_offset=self.include_last_offset,
+                                                      padding_idx=self.padding_idx, **common)
+        else:
+            table = ShardedEmbedding(self.num_embeddings, self.embedding_dim, self.padding_idx, **common)
+        table.replica_sparse = self.sparse   # how it comes back, should it be replicated again
+        return table
+
+    def replica(self, weight: torch.Tensor) -> nn.Module:
+        """The ``nn.Embedding(Bag)`` whose weight is ``weight`` (the whole table)."""
+        if self.bag:
+            return nn.EmbeddingBag(self.num_embeddings, self.embedding_dim, mode=self.mode, sparse=self.sparse,
+                                   include_last_offset=self.include_last_offset, padding_idx=self.padding_idx,
+                                   _weight=weight)
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx, sparse=self.sparse,
+                            _weight=weight)
+
+
+@dataclasses.dataclass
+class Moved:
+    """One table after its move: its name, the new module, what joins the optimizer."""
+
+    name: str
+    module: nn.Module
+    incoming: Incoming
+
+
+# ------------------------------------------------------------------ checks
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DDP) else model
+
+
+def _has_grad(g: Optional[torch.Tensor]) -> bool:
+    if g is None:
+        return False
+    return g._nnz() > 0 if g.is_sparse else bool(g.any())
+
+
+def _busy(optimizer: ParallelOptimizer, inner: nn.Module) -> Optional[str]:
+    """Why the model is mid-step, or None: gradients not stepped yet, a round prefetched or awaiting backward."""
+    if any(_has_grad(p.grad) for g in optimizer.param_groups for p in g["params"]):
+        return ("gradients are pending (between backward and step(), e.g. accumulating): call step() and "
+                "zero_grad() first")
+    for name, t in sharded_modules(inner):
+        if _has_grad(t.local_weight.grad) or (t.hot is not None and t.hot.gradient() is not None):
+            return f"table {name!r} has a gradient pending: call step() and zero_grad() first"
+        busy = t.table_set.busy()
+        if busy:
+            return f"table {name!r}: {busy}"
+    return None
+
+
+def _check_tables(inner: nn.Module, plan: Plan, spec: OptimizerSpec) -> None:
+    modules = {name: inner.get_submodule(name) for name in _table_names(inner)}
+    unknown, missing = sorted(set(plan.tables) - set(modules)), sorted(set(modules) - set(plan.tables))
+    if unknown or missing:
+        raise ValueError(f"the plan does not match the model: tables not in the model {unknown}, tables missing "
+                         f"from the plan {missing}")
+    for name, t in plan.tables.items():
+        m = modules[name]
+        if (m.num_embeddings, m.embedding_dim) != (t.num_embeddings, t.embedding_dim):
+            raise ValueError(f"table {name!r} is {m.num_embeddings} x {m.embedding_dim} but the plan has "
+                             f"{t.num_embeddings} x {t.embedding_dim}")
+        if t.placement == "shard" and not isinstance(m, ShardedTable):
+            frozen = "the table is frozen (requires_grad=False)" if not m.weight.requires_grad else ""
+            blocker = t.blocker or frozen or (
+                "sparse=False under Adam (a sharded table's Adam is lazy)"
+                if spec.optimizer_class is torch.optim.Adam and not m.sparse else "")
+            if blocker:
+                raise ValueError(f"table {name!r} cannot be sharded: {blocker}")
+    sparse_replicas = any(TableSpec.of(modules[n]).sparse for n, t in plan.tables.items()
+                          if t.placement != "shard")
+    check_optimizer(spec.optimizer_class, spec.kwargs, bool(plan.sharded()), sparse_replicas)
+
+
+def _table_names(inner: nn.Module) -> List[str]:
+    """Every table of the model, replicated or sharded, in module order."""
+    replicas = {n for n, _ in embedding_modules(inner)}
+    return [n for n, m in inner.named_modules() if n in replicas or isinstance(m, ShardedTable)]
+
+
+def _check_optimizer(optimizer: Any, inner: nn.Module, moves: Sequence[Tuple[str, str, str]]) -> OptimizerSpec:
+    if not isinstance(optimizer, ParallelOptimizer) or optimizer.spec is None:
+        raise ValueError(f"the optimizer must be the ParallelOptimizer sparsecomm.parallelize returned, got "
+                         f"{type(optimizer).__name__}")
+    sharded = optimizer.sharded
+    mine = [t for _, t in sharded_modules(inner)]
+    if {id(t) for t in mine} != {id(t) for t in (sharded.tables() if sharded is not None else [])}:
+        raise ValueError("the optimizer does not update this model's sharded tables (pass the model and the "
+                         "optimizer parallelize or the last replan returned)")
+    for part, opt in optimizer.parts.items():
+        if part != "dense" and len(opt.param_groups) != 1:
+            raise ValueError(f"the optimizer's {part!r} part has {len(opt.param_groups)} param groups; a "
+                             f"replan keeps one there")
+    if any(old != REPLICATE and new == REPLICATE for _, old, new in moves) and getattr(sharded, "rowwise", False):
+        raise ValueError("row-wise Adagrad keeps one sum per row, which torch's Adagrad on a replica cannot "
+                         "continue from; keep those tables sharded")
+    return optimizer.spec
+
+
+def _check_group(model: nn.Module, group) -> None:
+    if isinstance(model, DDP) and group is not None:
+        if dist.get_process_group_ranks(model.process_group) != dist.get_process_group_ranks(group):
+            raise ValueError("process_group is not the DDP model's group: pass the process_group given to "
+                             "sparsecomm.parallelize")
+
+
+def _plan_moves(model: nn.Module, optimizer: Any, plan: Any, group) -> List[Tuple[str, str, str]]:
+    """``(table, from, to)`` of every table that moves, after every local check (ValueError otherwise)."""
+    inner = _unwrap(model)
+    if not isinstance(plan, Plan):
+        raise ValueError(f"new_plan must be a sparsecomm.Plan, got {type(plan).__name__}")
+    if getattr(inner, "sparsecomm_plan", None) is None:
+        raise ValueError("the model was not made by sparsecomm.parallelize (it has no sparsecomm_plan)")
+    _check_group(model, group)
+    names = set(_table_names(inner))
+    moves = [(n, _current(inner.get_submodule(n)), _where(t)) for n, t in plan.tables.items() if n in names]
+    spec = _check_optimizer(optimizer, inner, moves)
+    _check_tables(inner, plan, spec)
+    moves = [m for m in moves if m[1] != m[2]]
+    _check_hyperparameters(optimizer, inner, moves)
+    busy = _busy(optimizer, inner)
+    if busy:
+        raise ValueError(busy)
+    return moves
+
+
+def _group_of(optimizer: ParallelOptimizer, p: torch.Tensor) -> Tuple[str, Dict[str, Any]]:
+    """The part and the param group that hold parameter ``p`` (a replica's weight, a table's stand-in)."""
+    for part, opt in optimizer.parts.items():
+        for g in opt.param_groups:
+            if any(q is p for q in g["params"]):
+                return part, g
+    raise ValueError("a table of the model is in none of the optimizer's param groups")
+
+
+def _target_part(spec: OptimizerSpec, m: nn.Module, new: str) -> str:
+    if new != REPLICATE:
+        return "sharded"
+    return spec.replica_part(TableSpec.of(m).sparse)
+
+
+def _check_hyperparameters(optimizer: ParallelOptimizer, inner: nn.Module, moves) -> None:
+    """A table keeps its hyperparameters: it may join only a group with the same ones (lr, ...)."""
+    spec = optimizer.spec
+    keys = spec.part_options("sharded")
+    into = {part: opt.param_groups[0] for part, opt in optimizer.parts.items()}
+    for name, _, new in moves:
+        m = inner.get_submodule(name)
+        _, source = _group_of(optimizer, m.weight)
+        target = into.setdefault(_target_part(spec, m, new), source)
+        differ = {k: (source[k], target[k]) for k in keys if k in source and k in target and source[k] != target[k]}
+        if differ:
+            raise ValueError(f"table {name!r} would change its hyperparameters {differ} (its group's, then the "
+                             f"group it joins): give both groups the same values first")
+
+
+# ------------------------------------------------------------------ moves
+
+
+def _step_of(state: Dict[str, Any]) -> int:
+    step = state.get("step", 0)
+    return int(step.item()) if isinstance(step, torch.Tensor) else int(step)
+
+
+def _torch_state(cls: type, step: int, rows: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    """A torch optimizer's state of a replica from a sharded table's ``step`` and whole-table rows."""
+    if cls is torch.optim.Adagrad:
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        return {"step": torch.tensor(float(step), dtype=scalar), "sum": rows["sum"]}
+    if cls is torch.optim.SparseAdam and step:
+        return {"step": step, "exp_avg": rows["exp_avg"], "exp_avg_sq": rows["exp_avg_sq"]}
+    return {}   # SGD keeps none; SparseAdam makes it at its first step
+
+
+def _incoming(optimizer: ParallelOptimizer, leaving: torch.Tensor, item: Any, part: str, state: Dict[str, Any]
+              ) -> Incoming:
+    """What joins ``part`` in place of parameter ``leaving`` (it keeps its group's hyperparameters)."""
+    source_part, source = _group_of(optimizer, leaving)
+    return Incoming(item, part, state, source, optimizer.parts[source_part].defaults)
+
+
+def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, scheme: str, group) -> Moved:
+    """A replica to a sharded table: this rank's rows of its weight and state (no communication but the seed's)."""
+    part, _ = _group_of(optimizer, m.weight)
+    state = optimizer.parts[part].state.get(m.weight, {})
+    table = TableSpec.of(m).sharded(m.weight.detach(), scheme, group, seed=0)
+    owned = table.layout.owned_ids().to(m.weight.device)
+    rows = {n: state[n][owned] for n in optimizer.spec.part_class("sharded").row_state_names if n in state}
+    return Moved(name, table, _incoming(optimizer, m.weight, table, "sharded", {"step": _step_of(state), **rows}))
+
+
+def _replicate(name: str, t: ShardedTable, optimizer: ParallelOptimizer) -> Moved:
+    """A sharded table to a replica: every shard's rows and state to every rank (one all-gather)."""
+    sharded = optimizer.sharded
+    state = sharded.state[t.local_weight]
+    names = sharded.row_state_names
+    d = t.embedding_dim
+    packed = torch.cat([t.local_weight.detach()] + [state[n] for n in names], 1)
+    ids, rows = allgather_table_rows(t.layout.owned_ids(), packed, t.num_embeddings, t.group)
+    full = torch.empty((t.num_embeddings, packed.shape[1]), dtype=rows.dtype, device=rows.device)
+    full[ids.to(rows.device)] = rows
+    spec = optimizer.spec
+    module = TableSpec.of(t).replica(full[:, :d].clone())
+    part = spec.replica_part(TableSpec.of(t).sparse)
+    whole = {n: full[:, (i + 1) * d:(i + 2) * d].clone() for i, n in enumerate(names)}
+    torch_state = _torch_state(spec.part_class(part), int(state["step"]), whole)
+    return Moved(name, module, _incoming(optimizer, t.weight, module.weight, part, torch_state))
+
+
+def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, scheme: str, group) -> Moved:
+    """A sharded table under another scheme: rows and state through the id order to the new owners (one all-to-all)."""
+    sharded = optimizer.sharded
+    w = t.local_weight
+    # A table of zeros without its memory: the new table's rows come from the old one's below.
+    zeros = torch.zeros((1, t.embedding_dim), dtype=w.dtype, device=w.device).expand(t.num_embeddings, -1)
+    new = TableSpec.of(t).sharded(zeros, scheme, group, seed=t.seed)
+    state = sharded.state[w]
+    names = sharded.row_state_names
+    chunks = dcp.to_id_order(t.layout, [w.detach()] + [state[n] for n in names], t.group)
+    rows = dcp.from_id_order(new.layout, chunks, new.group)
+    with torch.no_grad():
+        new.local_weight.copy_(rows[0])
+    moved_state = {"step": int(state["step"]), **dict(zip(names, rows[1:]))}
+    return Moved(name, new, _incoming(optimizer, t.weight, new, "sharded", moved_state))
+
+
+def _move(inner: nn.Module, optimizer: ParallelOptimizer, name: str, new: str, group) -> Moved:
+    m = inner.get_submodule(name)
+    if not isinstance(m, ShardedTable):
+        return _shard(name, m, optimizer, new, group)
+    if new == REPLICATE:
+        return _replicate(name, m, optimizer)
+    return _reshard(name, m, optimizer, new, group)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+# ------------------------------------------------------------------ the optimizer's parts
+
+
+def _wanted(inner: nn.Module, plan: Plan, spec: OptimizerSpec) -> Dict[str, List[Any]]:
+    """What each part holds under the new plan, in ``parallelize``'s order."""
+    sparse = [m.weight for _, m in embedding_modules(inner) if m.sparse and m.weight.requires_grad]
+    ids = {id(p) for p in sparse}
+    dense = [p for p in inner.parameters() if p.requires_grad and id(p) not in ids]
+    return {**spec.replica_params(dense, sparse), "sharded": [inner.get_submodule(n) for n in plan.sharded()]}
+
+
+# ------------------------------------------------------------------ the model
+
+
+def _regroup(inner: nn.Module, old_sets: Sequence[Any], plan: Plan) -> None:
+    """Every sharded table in one round again; the old sets' forward hooks removed."""
+    for table_set in old_sets:
+        if table_set.hook is not None:
+            table_set.hook.remove()
+            table_set.hook = None
+    tables = [inner.get_submodule(n) for n in plan.sharded()]
+    if tables:
+        group_tables(inner, tables)
+
+
+def _wrap(model: nn.Module, inner: nn.Module, process_group, n: int, ddp_kwargs, hook_options) -> nn.Module:
+    """DDP around the model's replicated parameters, with the sparsecomm hook (as ``parallelize`` wraps)."""
+    old_state = getattr(inner, "sparsecomm_state", None)
+    if hook_options is None:
+        hook_options = {"config": old_state.config} if old_state is not None else {}
+    replicated = [p for p in inner.parameters() if p.requires_grad]
+    inner.sparsecomm_state = None
+    if n == 1 or not replicated:
+        return inner
+    wrapped = DDP(inner, process_group=process_group, **(ddp_kwargs or {}))
+    inner.sparsecomm_state = register(wrapped, **hook_options)
+    return wrapped
+
+
+def _agree(problem: Optional[str], plan: Any, group, rank: int) -> None:
+    where = [(n, _where(t)) for n, t in plan.tables.items()] if isinstance(plan, Plan) else None
+    verdicts = all_gather_objects((problem, where), group)
+    errors = [(r, err) for r, (err, _) in enumerate(verdicts) if err]
+    if errors:
+        r, err = next(((r, e) for r, e in errors if r == rank), errors[0])
+        raise ValueError(f"{_WHAT}: {err}" if r == rank else f"{_WHAT}: rank {r}: {err}")
+    for r, (_, theirs) in enumerate(verdicts):
+        if theirs != verdicts[0][1]:
+            raise ValueError(f"{_WHAT}: rank {r} places the tables {theirs} but rank 0 {verdicts[0][1]}: pass the "
+                             f"same plan on every rank")
+
+
+def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
+           process_group: Optional[dist.ProcessGroup] = None, ddp_kwargs: Optional[Dict[str, Any]] = None,
+           hook_options: Optional[Dict[str, Any]] = None) -> Tuple[nn.Module, ParallelOptimizer]:
+    """Move tables of a parallelized model to the placements of ``new_plan``, optimizer state included; collective.
+
+    Between two steps (after ``step()`` and ``zero_grad()``), every rank calls
+    it with the same plan. Tables go between ``"replicate"`` and ``"shard"``
+    under ``"hash"`` or ``"range"``, in any combination, with their optimizer
+    state (SGD: none; Adagrad: the sums and step; Adam: the moments and step),
+    so that training goes on exactly as if ``new_plan`` had been used from
+    the start.
+
+    Args:
+        model: what ``parallelize`` (or the last ``replan``) returned.
+        optimizer: its :class:`~sparsecomm.sharded.combined.ParallelOptimizer`.
+        new_plan: the placements, e.g. the model's ``sparsecomm_plan`` (or a
+            copy) after ``override(name, "shard", "range")``: what moves is
+            read from the model's modules, not from the old plan. It becomes
+            the model's ``sparsecomm_plan``.
+        process_group: the group given to ``parallelize`` (default: the world).
+        ddp_kwargs: the ``DistributedDataParallel`` arguments given to
+            ``parallelize``, for the new wrapper when the set of replicated
+            parameters changes.
+        hook_options: the hook's options for that wrapper (default: the old
+            hook's settings).
+
+    Returns:
+        ``(model, optimizer)``: the optimizer is the same object, changed in
+        place: the param groups of the parts that stay are the same dicts,
+        and a part made for incoming tables starts from the group they come
+        from (lr and a scheduler's ``initial_lr`` included). So an LR
+        scheduler made before goes on: one that steps each group from its
+        own lr (``StepLR``, ``MultiStepLR``, ``ExponentialLR``) drives every
+        group, a new part's too; one that keeps a list per group from its
+        construction (``LambdaLR``, ``CosineAnnealingLR``'s ``base_lrs``)
+        drives groups by position, so make it again after a replan that adds
+        or removes a part (a part comes when the first table of its kind
+        arrives, goes with the last).
+        The model is a new DDP wrapper when a table moved in or out of the
+        replicas (DDP's parameters are fixed when it is built), else the
+        same: use what is returned. Sharded tables that moved are new modules.
+
+    Raises:
+        ValueError: on every rank, before anything changes: gradients are
+            pending (between backward and ``step()``, as in gradient
+            accumulation), a prefetched round or a round awaiting its backward
+            is pending, the plan names tables the model does not have (or
+            misses some), a table cannot be sharded, the optimizer is not the
+            model's, a table would change its hyperparameters, or the ranks'
+            plans differ.
+
+    Example::
+
+        >>> model, opt = sparsecomm.parallelize(net, torch.optim.Adagrad, plan=p, lr=0.1)
+        >>> ...train...
+        >>> q = copy.deepcopy(p).override("user_table", "shard", "range")
+        >>> model, opt = sparsecomm.replan(model, opt, q)
+    """
+    rank, n = world(process_group)
+    group = (process_group or dist.group.WORLD) if n > 1 else None
+    moves, problem = [], None
+    try:
+        moves = _plan_moves(model, optimizer, new_plan, group)
+    except ValueError as exc:
+        problem = str(exc)
+    _agree(problem, new_plan, group, rank)
+    inner = _unwrap(model)
+    new_plan.world_size = n
+    inner.sparsecomm_plan = new_plan
+    if not moves:
+        return model, optimizer
+    flush(inner)   # open rounds run, deferred gradients land: the shards hold every update
+    old_sets = list({id(t.table_set): t.table_set for _, t in sharded_modules(inner)}.values())
+    moved = [_move(inner, optimizer, name, new, process_group) for name, _, new in moves]
+    for m in moved:
+        _replace(inner, m.name, m.module)
+    optimizer.regroup(_wanted(inner, new_plan, optimizer.spec), [m.incoming for m in moved])
+    _regroup(inner, old_sets, new_plan)
+    if any(REPLICATE in (old, new) for _, old, new in moves):
+        model = _wrap(model, inner, process_group, n, ddp_kwargs, hook_options)
+    return model, optimizer
