@@ -341,12 +341,14 @@ class Verdict:
         peers: methods of other systems (the rest are ours).
         config: columns that identify one configuration (rows sharing them compete).
         method: the column naming the contender.
+        apart: methods of ours left out of the verdict (not exact: a lossy option).
     """
 
     time: str
     peers: Sequence[str]
     config: Sequence[str]
     method: str = "method"
+    apart: Sequence[str] = ()   # ours, but not exact (lossy options): shown, never the verdict's pick
 
     def line(self, rows: Sequence[Row]) -> str:
         """``verdict: ...`` naming the most often fastest of ours and its speed-up over the best peer (range, median)."""
@@ -357,7 +359,7 @@ class Verdict:
         wins: Dict[str, int] = {}
         ratios: List[float] = []
         for group in groups.values():
-            ours = [r for r in group if r.cols[self.method] not in self.peers]
+            ours = [r for r in group if r.cols[self.method] not in self.peers and r.cols[self.method] not in self.apart]
             peers = [r for r in group if r.cols[self.method] in self.peers]
             if not ours or not peers:
                 continue
