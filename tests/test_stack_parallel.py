@@ -84,7 +84,9 @@ def weights_of(model) -> dict:
     inner = getattr(model, "module", model)
     out = {f"{n}.weight": m.full_weight() for n, m in inner.named_children()
            if isinstance(m, (sharded.ShardedEmbedding, sharded.ShardedEmbeddingBag))}
-    out.update({k: v for k, v in inner.state_dict().items() if not k.endswith(("local_weight", "_extra_state"))})
+    # A sharded table's own state-dict entry is a DTensor of id-order chunks: its full_weight() above instead.
+    out.update({k: v for k, v in inner.state_dict().items()
+                if k not in out and not k.endswith(("local_weight", "_extra_state"))})
     return out
 
 
