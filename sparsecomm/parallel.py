@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sparsecomm.collectives.dense import broadcast_
 from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.hooks import register
-from sparsecomm.planner import Plan, embedding_modules, plan as make_plan
+from sparsecomm.planner import Plan, embedding_modules, plan as make_plan, refuse_wrapped
 from sparsecomm.sharded.combined import ParallelOptimizer, build_optimizer, check_optimizer
 from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag
 from sparsecomm.sharded.model import group_tables
@@ -75,7 +75,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
     as with DDP). Without torch.distributed initialized it is a world of one.
 
     Args:
-        model: a single-process model (modified in place: sharded tables replace
+        model: a single-process model, not wrapped (modified in place: sharded tables replace
             the planned ``nn.Embedding(Bag)`` modules).
         optimizer_class: ``torch.optim.SGD``, ``Adagrad``, ``Adam`` or
             ``SparseAdam`` (any torch optimizer when nothing is sharded).
@@ -95,12 +95,16 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
         hook's state (``stats``, ``decisions``; None without DDP).
 
     Raises:
+        TypeError: before anything runs or is modified, on every rank: the
+            model is already wrapped (DDP, FSDP1, or ``fully_shard`` at its
+            root); pass the unwrapped model.
         ValueError: before anything is modified, on every rank: the plan does
             not match the model, a table the plan shards uses an option only a
             replica honours, the optimizer has no owner-side twin or uses
             options the twin lacks, or ranks disagree on the model.
     """
     _, n = world(process_group)
+    refuse_wrapped(model, (process_group or dist.group.WORLD) if n > 1 else None, "sparsecomm.parallelize")
     modules = dict(embedding_modules(model))
     if plan is None:
         plan = make_plan(model, sample_batch, process_group=process_group, memory_budget=memory_budget,
