@@ -67,9 +67,11 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _dense_wrapper(model: nn.Module, dense: Optional[str], ddp_kwargs, hook_options) -> str:
-    """The wrapper of the dense part: ``dense``, or ``"fsdp"`` by default when submodules are ``fully_shard``-ed."""
+def _dense_wrapper(model: nn.Module, options: "_Options") -> str:
+    """The wrapper of the dense part: ``options.dense``, by default ``"fsdp"`` when submodules are
+    ``fully_shard``-ed, else ``"ddp"``."""
     presharded = fsdp_submodules(model)
+    dense = options.dense
     if dense is None:
         dense = "fsdp" if presharded else "ddp"
     if dense not in DENSE_WRAPPERS:
@@ -77,7 +79,7 @@ def _dense_wrapper(model: nn.Module, dense: Optional[str], ddp_kwargs, hook_opti
     if dense == "ddp" and presharded:
         raise ValueError(f"sparsecomm.parallelize: dense='ddp', but submodules {presharded} are fully_shard-ed "
                          f"(DDP cannot wrap them): use dense='fsdp' (the default for such a model)")
-    if dense == "fsdp" and (ddp_kwargs or hook_options):
+    if dense == "fsdp" and (options.ddp_kwargs or options.hook_options):
         raise ValueError("sparsecomm.parallelize: ddp_kwargs and hook_options configure DDP and its hook; "
                          "dense='fsdp' uses neither: drop them (fully_shard submodules yourself for their options)")
     return dense
@@ -88,7 +90,7 @@ def _agree_checks(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: i
     """Every check, on every rank, agreed: the dense wrapper to use; raises ``ValueError`` on every rank."""
     error, wrapper = None, None
     try:
-        wrapper = _dense_wrapper(model, options.dense, options.ddp_kwargs, options.hook_options)
+        wrapper = _dense_wrapper(model, options)
         _check_plan(model, p, modules, n, options.optimizer_class)
         if wrapper == "fsdp":
             check_fsdp(model, p.sharded())
