@@ -9,10 +9,14 @@ rank before the model changes.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -221,6 +225,32 @@ def _refusals(rank, world):
                       "table 'tower.user' is planned sharded but lies in 'tower', already fully_shard-ed")
 
 
+def _checkpoint(rank, world, path):
+    """``get_state_dict`` -> ``dcp.save`` -> ``dcp.load`` -> ``set_state_dict`` into a fresh model: the same
+    weights, and both train on alike (the optimizers' state came back too)."""
+    models, opts = [], []
+    for _ in range(2):
+        model = Net()
+        opts.append(sparsecomm.parallelize(model, torch.optim.Adagrad, plan=make_plan(model), dense="fsdp",
+                                           lr=0.2)[1])
+        models.append(model)
+    for s in range(2):
+        step(models[0], [opts[0]], rank_batch(rank, s))
+    msd, osd = get_state_dict(models[0], opts[0])
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    msd, osd = get_state_dict(models[1], opts[1])
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(models[1], opts[1], model_state_dict=state["model"], optim_state_dict=state["optim"])
+    diffs = [max(float((weights_of(models[1])[k] - v).abs().max()) for k, v in weights_of(models[0]).items())]
+    for s in range(2, 4):
+        for model, opt in zip(models, opts):
+            step(model, [opt], rank_batch(rank, s))
+    diffs.append(max(float((weights_of(models[1])[k] - v).abs().max()) for k, v in weights_of(models[0]).items()))
+    assert max(diffs) < TOL, diffs
+    return max(diffs)
+
+
 CASES = ([(f"dense-fsdp-{name}", _dense_fsdp, (name,)) for name in OPTIMIZERS]
          + [(f"presharded-{name}", _presharded, (name,)) for name in ("sgd", "adagrad")]
          # Adam is left out: the reference's lazy Adam moves rows with a zero gradient, which rank 1 never sends
@@ -228,14 +258,14 @@ CASES = ([(f"dense-fsdp-{name}", _dense_fsdp, (name,)) for name in OPTIMIZERS]
          + [("refusals", _refusals, ())])
 
 
-def _all_cases(rank, world):
-    return run_cases(rank, world, CASES)
+def _all_cases(rank, world, root):
+    return run_cases(rank, world, CASES + [("checkpoint", _checkpoint, (os.path.join(root, "checkpoint"),))])
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_fsdp_dense_part_equals_one_process_on_the_whole_batch(world):
-    for res in run_ranks(world, _all_cases).values():
-        assert len(res) == len(CASES) and max(res.values()) < TOL, res
+def test_fsdp_dense_part_equals_one_process_on_the_whole_batch(world, tmp_path):
+    for res in run_ranks(world, _all_cases, str(tmp_path)).values():
+        assert len(res) == len(CASES) + 1 and max(res.values()) < TOL, res
 
 
 def _dense_parameter_unused_on_one_rank(rank, world):
