@@ -4,7 +4,8 @@ Applies a :class:`~sparsecomm.planner.Plan` (decided by
 :func:`sparsecomm.plan` when none is given): tables the plan shards become
 ``ShardedEmbedding(Bag)`` holding rank 0's weights (as DDP broadcasts rank 0's
 parameters) and share one lookup round per step; the rest of the model goes
-under DDP with the sparsecomm hook; one optimizer drives both
+under DDP with the sparsecomm hook (``dense="ddp"``) or under ``fully_shard``
+(``dense="fsdp"``, :mod:`sparsecomm.sharded.fsdp`); one optimizer drives both
 (:class:`~sparsecomm.sharded.combined.ParallelOptimizer`). Everything is
 checked before anything is modified (docs/PARALLELIZE.md).
 """
@@ -12,6 +13,7 @@ checked before anything is modified (docs/PARALLELIZE.md).
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
@@ -22,9 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sparsecomm.collectives.dense import broadcast_
 from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.hooks import register
-from sparsecomm.planner import Plan, embedding_modules, plan as make_plan
+from sparsecomm.planner import Plan, embedding_modules, plan as make_plan, refuse_wrapped
 from sparsecomm.sharded.combined import ParallelOptimizer, build_optimizer, check_optimizer
 from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag
+from sparsecomm.sharded.fsdp import DENSE_WRAPPERS, check_fsdp, fsdp_submodules, shard_dense
 from sparsecomm.sharded.model import group_tables
 
 __all__ = ["parallelize"]
@@ -65,19 +68,108 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def _dense_wrapper(model: nn.Module, options: "_Options") -> str:
+    """The wrapper of the dense part: ``options.dense``, by default ``"fsdp"`` when submodules are
+    ``fully_shard``-ed, else ``"ddp"``."""
+    presharded = fsdp_submodules(model)
+    dense = options.dense
+    if dense is None:
+        dense = "fsdp" if presharded else "ddp"
+    if dense not in DENSE_WRAPPERS:
+        raise ValueError(f"sparsecomm.parallelize: dense must be one of {DENSE_WRAPPERS}, got {dense!r}")
+    if dense == "ddp" and presharded:
+        raise ValueError(f"sparsecomm.parallelize: dense='ddp', but submodules {presharded} are fully_shard-ed "
+                         f"(DDP cannot wrap them): use dense='fsdp' (the default for such a model)")
+    if dense == "fsdp" and (options.ddp_kwargs or options.hook_options):
+        raise ValueError("sparsecomm.parallelize: ddp_kwargs and hook_options configure DDP and its hook; "
+                         "dense='fsdp' uses neither: drop them (fully_shard submodules yourself for their options)")
+    return dense
+
+
+def _agree_checks(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: int, options: "_Options",
+                  group) -> str:
+    """Every check, on every rank, agreed: the dense wrapper to use; raises ``ValueError`` on every rank."""
+    error, wrapper = None, None
+    try:
+        options.former = p.adopt_optimizer(options.optimizer_class, modules, n)  # the plan is for what trains
+        wrapper = _dense_wrapper(model, options)
+        _check_plan(model, p, modules, n, options.optimizer_class)
+        if wrapper == "fsdp":
+            check_fsdp(model, p.sharded())
+        sparse_replicas = any(modules[name].sparse for name in modules if name not in p.sharded())
+        check_optimizer(options.optimizer_class, options.optimizer_kwargs, bool(p.sharded()), sparse_replicas)
+    except ValueError as exc:
+        error = str(exc)
+    # Every rank must hold the same plan: one rank refusing means all refuse.
+    verdicts = all_gather_objects((error, [(t, p.tables[t].scheme) for t in p.sharded()], wrapper), group)
+    for r, (err, placed, theirs) in enumerate(verdicts):
+        if err:
+            raise ValueError(err if r == world(group)[0] else f"rank {r}: {err}")
+        if placed != verdicts[0][1]:
+            raise ValueError(f"sparsecomm.parallelize: rank {r} shards {placed} but rank 0 shards {verdicts[0][1]}: "
+                             f"pass the same plan on every rank")
+        if theirs != verdicts[0][2]:
+            raise ValueError(f"sparsecomm.parallelize: rank {r} wraps the dense part in {theirs} but rank 0 in "
+                             f"{verdicts[0][2]}: pass the same model and dense= on every rank")
+    return wrapper
+
+
+def _shard_tables(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: int, src: int,
+                  process_group) -> List[nn.Module]:
+    """Replace the planned tables by sharded twins holding rank 0's rows; one lookup round for them all."""
+    tables: List[nn.Module] = []
+    for name in p.sharded():
+        m = modules[name]
+        weight = m.weight.detach()
+        if n > 1:
+            weight = weight.clone()
+            broadcast_(weight, src, process_group)
+        new = _sharded_twin(m, weight, p.tables[name].scheme, process_group)
+        _replace(model, name, new)
+        tables.append(new)
+    if tables:
+        group_tables(model, tables)
+    return tables
+
+
+@dataclass
+class _Options:
+    """What parallelize was asked for, beside the model and the plan."""
+
+    optimizer_class: Type[torch.optim.Optimizer]
+    optimizer_kwargs: Dict[str, Any]
+    dense: Optional[str]
+    ddp_kwargs: Optional[Dict[str, Any]]
+    hook_options: Optional[Dict[str, Any]]
+    former: Optional[str] = None   # the optimizer the plan was made for, when another (Plan.adopt_optimizer)
+
+
 def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], *, plan: Optional[Plan] = None,
                 process_group: Optional[dist.ProcessGroup] = None, sample_batch: Any = None,
-                memory_budget: Optional[int] = None, ddp_kwargs: Optional[Dict[str, Any]] = None,
-                hook_options: Optional[Dict[str, Any]] = None, **optimizer_kwargs) -> Tuple[nn.Module,
-                                                                                          ParallelOptimizer]:
-    """Make ``model`` data-parallel: the plan's tables sharded, the rest under DDP + sparsecomm; collective.
+                memory_budget: Optional[int] = None, dense: Optional[str] = None,
+                ddp_kwargs: Optional[Dict[str, Any]] = None, hook_options: Optional[Dict[str, Any]] = None,
+                **optimizer_kwargs) -> Tuple[nn.Module, ParallelOptimizer]:
+    """Make ``model`` data-parallel: the plan's tables sharded, the rest under DDP + sparsecomm or FSDP2; collective.
 
     Every rank calls it with the same model (weights may differ: rank 0's win,
     as with DDP). Without torch.distributed initialized it is a world of one.
 
+    The dense part (the model minus its sharded tables) goes under DDP with
+    the sparsecomm hook (``dense="ddp"``), or under ``fully_shard``
+    (``dense="fsdp"``): one ``fully_shard`` at the root, its sharded tables
+    left out (``ignored_params``), after any ``fully_shard`` the user applied
+    to submodules beforehand; the optimizer steps FSDP's ``DTensor``
+    parameters with the torch optimizer and the sharded tables with their
+    owner-side one. Under FSDP every replicated table must have
+    ``sparse=False`` (or be frozen) and no ``max_norm``, no table the plan
+    shards may lie in a submodule already ``fully_shard``-ed, and every rank
+    must use the same dense parameters in a step (FSDP2's rule; see
+    :mod:`sparsecomm.sharded.fsdp`).
+
     Args:
-        model: a single-process model (modified in place: sharded tables replace
-            the planned ``nn.Embedding(Bag)`` modules).
+        model: a single-process model, not wrapped (modified in place:
+            sharded tables replace the planned ``nn.Embedding(Bag)`` modules;
+            under FSDP, the model becomes an ``FSDPModule``).
         optimizer_class: ``torch.optim.SGD``, ``Adagrad``, ``Adam`` or
             ``SparseAdam`` (any torch optimizer when nothing is sharded).
         plan: placements (default: ``sparsecomm.plan(model, sample_batch, ...)``).
@@ -87,80 +179,68 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
             sample batch).
         process_group: the ranks training together (default: the whole world).
         sample_batch, memory_budget: passed to :func:`sparsecomm.plan` when no plan is given.
-        ddp_kwargs: extra arguments of ``DistributedDataParallel``.
-        hook_options: options of ``sparsecomm.register`` (``SparseCommState``).
+        dense: ``"ddp"`` or ``"fsdp"``; default ``"ddp"``, or ``"fsdp"`` when
+            some submodule is already ``fully_shard``-ed.
+        ddp_kwargs: extra arguments of ``DistributedDataParallel`` (DDP only).
+        hook_options: options of ``sparsecomm.register`` (``SparseCommState``; DDP only).
         **optimizer_kwargs: the optimizer's options (``lr=...``).
 
     Returns:
-        ``(model, optimizer)``: the DDP-wrapped model (the model itself when
-        nothing is left for DDP or there are no peers) and one
-        :class:`~sparsecomm.sharded.combined.ParallelOptimizer`.
+        ``(model, optimizer)``: the DDP-wrapped model, or the model itself
+        (under FSDP, when nothing is left for DDP or FSDP, or there are no
+        peers) and one :class:`~sparsecomm.sharded.combined.ParallelOptimizer`.
         On the inner module, ``sparsecomm_plan`` is the plan applied
         (``sparsecomm.sharded.save`` records it) and ``sparsecomm_state`` the
         hook's state (``stats``, ``decisions``; None without DDP).
 
     Raises:
+        TypeError: before anything runs or is modified, on every rank: the
+            model is already wrapped (DDP, FSDP1, or ``fully_shard`` at its
+            root); pass the unwrapped model (for FSDP2, with ``dense="fsdp"``).
         ValueError: before anything is modified, on every rank: the plan does
             not match the model, a table the plan shards uses an option only a
-            replica honours, the optimizer has no owner-side twin or uses
-            options the twin lacks, or ranks disagree on the model.
+            replica honours, a table FSDP cannot hold (``dense="fsdp"``), an
+            unknown ``dense``, DDP's options with ``dense="fsdp"``, the
+            optimizer has no owner-side twin or uses options the twin lacks,
+            or ranks disagree on the model.
+
+    Example::
+
+        model, opt = sparsecomm.parallelize(model, torch.optim.Adagrad, dense="fsdp", lr=0.1)
     """
     _, n = world(process_group)
+    group = (process_group or dist.group.WORLD) if n > 1 else None
+    refuse_wrapped(model, group, "sparsecomm.parallelize")
     modules = dict(embedding_modules(model))
     if plan is None:
         plan = make_plan(model, sample_batch, process_group=process_group, memory_budget=memory_budget,
                          optimizer=optimizer_class)
-    group = (process_group or dist.group.WORLD) if n > 1 else None
-    error = None
-    former = None
-    try:
-        former = plan.adopt_optimizer(optimizer_class, modules, n)  # the plan is for what parallelize trains with
-        _check_plan(model, plan, modules, n, optimizer_class)
-        sparse_replicas = any(modules[name].sparse for name in modules if name not in plan.sharded())
-        check_optimizer(optimizer_class, optimizer_kwargs, bool(plan.sharded()), sparse_replicas)
-    except ValueError as exc:
-        error = str(exc)
-    # Every rank must hold the same plan: one rank refusing means all refuse.
-    verdicts = all_gather_objects((error, [(t, plan.tables[t].scheme) for t in plan.sharded()]), group)
-    for r, (err, placed) in enumerate(verdicts):
-        if err:
-            raise ValueError(err if r == world(process_group)[0] else f"rank {r}: {err}")
-        if placed != verdicts[0][1]:
-            raise ValueError(f"sparsecomm.parallelize: rank {r} shards {placed} but rank 0 shards {verdicts[0][1]}: "
-                             f"pass the same plan on every rank")
-
-    if former is not None and world(process_group)[0] == 0 and any(t.bytes_sharded is not None
+    options = _Options(optimizer_class, optimizer_kwargs, dense, ddp_kwargs, hook_options)
+    wrapper = _agree_checks(model, plan, modules, n, options, group)
+    if options.former is not None and world(group)[0] == 0 and any(t.bytes_sharded is not None
                                                                    for t in plan.tables.values()):
-        warnings.warn(f"sparsecomm.parallelize: the plan was made for {former} and trains {plan.optimizer}: its "
-                      f"memory figures now count {plan.optimizer}'s state, but its costs predicted from the sample "
-                      f"batch were priced for {former} and may have placed tables differently; make the plan with "
-                      f"optimizer={plan.optimizer}", stacklevel=2)
+        warnings.warn(f"sparsecomm.parallelize: the plan was made for {options.former} and trains {plan.optimizer}: "
+                      f"its memory figures now count {plan.optimizer}'s state, but its costs predicted from the "
+                      f"sample batch were priced for {options.former} and may have placed tables differently; make "
+                      f"the plan with optimizer={plan.optimizer}", stacklevel=2)
+
     # Nothing was modified so far. A plan from a checkpoint at another world size keeps its placements
     # (its numbers are that world's). Shard the planned tables, with rank 0's rows.
     plan.world_size = n
     src = dist.get_global_rank(process_group, 0) if process_group is not None and n > 1 else 0
-    tables: List[nn.Module] = []
-    for name in plan.sharded():
-        m = modules[name]
-        weight = m.weight.detach()
-        if n > 1:
-            weight = weight.clone()
-            broadcast_(weight, src, process_group)
-        new = _sharded_twin(m, weight, plan.tables[name].scheme, process_group)
-        _replace(model, name, new)
-        tables.append(new)
-    if tables:
-        group_tables(model, tables)
+    tables = _shard_tables(model, plan, modules, n, src, process_group)
     model.sparsecomm_plan = plan
     model.sparsecomm_state = None
 
     sparse = [m.weight for name, m in modules.items() if name not in plan.sharded() and m.sparse
               and m.weight.requires_grad]
-    sparse_ids = {id(p) for p in sparse}
-    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse_ids]
     wrapped: nn.Module = model
-    if n > 1 and (dense or sparse):
+    if n > 1 and wrapper == "fsdp":
+        shard_dense(model, tables, process_group, src)   # the model's parameters become FSDP's DTensors
+    elif n > 1 and (sparse or any(p.requires_grad for p in model.parameters())):
         wrapped = DDP(model, process_group=process_group, **(ddp_kwargs or {}))
         model.sparsecomm_state = register(wrapped, **(hook_options or {}))
-    optimizer = build_optimizer(optimizer_class, optimizer_kwargs, dense, sparse, tables)
+    sparse_ids = {id(p) for p in sparse}
+    dense_params = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse_ids]
+    optimizer = build_optimizer(optimizer_class, optimizer_kwargs, dense_params, sparse, tables)
     return wrapped, optimizer

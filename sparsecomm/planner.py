@@ -28,7 +28,9 @@ The rule, in order (the first that applies):
 
 A sample batch is measured with one collective: every rank's distinct ids per
 table go to every rank, which computes the same union and skew, so every rank
-reaches the same plan. Ranks whose models differ get ``ValueError`` on every rank.
+reaches the same plan. Ranks whose models differ get ``ValueError`` on every rank;
+a model already wrapped (DDP, FSDP1, or ``fully_shard`` at its root) gets
+``TypeError`` on every rank (:func:`refuse_wrapped`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
 
 from sparsecomm import cost_model
 from sparsecomm.collectives.probe import measure_latency_bytes
@@ -50,7 +54,7 @@ from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.collectives.transport import wire_index_dtype
 from sparsecomm.ownership import scheme_of
 
-__all__ = ["Plan", "TablePlan", "plan", "PLACEMENTS", "PLAN_FORMAT"]
+__all__ = ["Plan", "TablePlan", "plan", "refuse_wrapped", "PLACEMENTS", "PLAN_FORMAT"]
 
 PLACEMENTS = ("replicate", "shard")
 PLAN_FORMAT = "sparsecomm.plan/1"
@@ -250,6 +254,38 @@ def optimizer_name(optimizer: Any) -> str:
     return optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", str(optimizer))
 
 
+def _wrapper_problem(model: nn.Module) -> Optional[str]:
+    """What wraps ``model`` (DDP or FSDP1 anywhere, ``fully_shard`` at its root), or None."""
+    if isinstance(model, FSDPModule):
+        return ("the model is fully_shard-ed at its root: pass it before fully_shard(model) (submodules may be "
+                "fully_shard-ed already); parallelize(..., dense='fsdp') applies fully_shard to the root itself, "
+                "around the sharded tables")
+    for name, m in model.named_modules():
+        if isinstance(m, (DistributedDataParallel, FullyShardedDataParallel)):
+            what = (f"the model is a {type(m).__name__}: pass the unwrapped model (its .module)" if not name else
+                    f"its submodule {name!r} is a {type(m).__name__}: pass the model with {name!r} unwrapped "
+                    f"(its .module in its place)")
+            return f"{what}; parallelize wraps the dense part itself (DDP, or fully_shard with dense='fsdp')"
+    return None
+
+
+def refuse_wrapped(model: nn.Module, group: Optional[dist.ProcessGroup], who: str) -> None:
+    """Raise ``TypeError`` on every rank when some rank's model is already wrapped; collective.
+
+    A wrapped model would have its wrapper's names (``module.``), its
+    hooks and its collectives under the ones :func:`plan` and ``parallelize``
+    add: DDP in DDP fails at the second step with torch's "Expected to have
+    finished reduction" error, DDP around ``fully_shard`` at construction.
+    Nothing is run or modified before the check.
+
+    Raises:
+        TypeError: naming the wrapper and saying to pass the unwrapped model.
+    """
+    for r, problem in enumerate(all_gather_objects(_wrapper_problem(model), group)):
+        if problem:
+            raise TypeError(f"{who}: {problem}" if group is None else f"{who}: rank {r}: {problem}")
+
+
 def _describe(name: str, m: nn.Module, n: int, optimizer: str) -> TablePlan:
     v, d = m.weight.shape
     esz = m.weight.element_size()
@@ -316,7 +352,8 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
     """Decide where each embedding table of ``model`` lives; collective (every rank, same model).
 
     Args:
-        model: the single-process model (not yet wrapped in DDP).
+        model: the single-process model (not wrapped in DDP or FSDP; submodules
+            may be ``fully_shard``-ed).
         sample_batch: optional: one batch of this rank's data, what the
             training loop passes as ``model(batch)`` (a tensor, a tuple, a
             dict...), or a function ``f(model)`` that calls the model on one
@@ -333,12 +370,16 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
         The :class:`Plan`, the same on every rank.
 
     Raises:
+        TypeError: on every rank, before the model runs, when it is already
+            wrapped (DDP, FSDP1, ``fully_shard`` at its root): pass the
+            unwrapped model.
         ValueError: on every rank, when the ranks' models differ, or no
             placement fits the memory budget.
     """
     opt = optimizer_name(optimizer)
     _, n = world(process_group)
     group = (process_group or dist.group.WORLD) if n > 1 else None
+    refuse_wrapped(model, group, "sparsecomm.plan")
     modules = embedding_modules(model)
     tables = {name: _describe(name, m, n, opt) for name, m in modules}
     sample, problem = None, None

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 import sparsecomm
 from distributed import run_ranks
@@ -123,3 +126,66 @@ def test_parallelize_takes_the_optimizer_it_trains_with_from_itself_not_from_the
                                          r"optimizer=Adagrad"):
         sparsecomm.parallelize(model, torch.optim.Adagrad, plan=p, lr=0.1)
     assert isinstance(model.big, nn.EmbeddingBag) and torch.equal(model.big.weight, before)
+
+
+class Ranker(nn.Module):
+    """A table and an MLP: what a wrapper around it, given to plan or parallelize, must not change."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.item = nn.Embedding(1000, 8, sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, items: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.item(items))
+
+
+class Holder(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.ranker = inner
+
+    def forward(self, items: torch.Tensor) -> torch.Tensor:
+        return self.ranker(items)
+
+
+def _wrappers():
+    """``(what, wrap)``: each wrapper plan and parallelize refuse (wrap is called on every rank)."""
+    def fsdp2(m):
+        fully_shard(m)
+        return m
+
+    return [("the model is a DistributedDataParallel: pass the unwrapped model (its .module)", DistributedDataParallel),
+            ("the model is a FullyShardedDataParallel: pass the unwrapped model (its .module)",
+             lambda m: FullyShardedDataParallel(m, device_id=torch.device("cpu"))),
+            ("the model is fully_shard-ed at its root: pass it before fully_shard(model)", fsdp2),
+            ("its submodule 'ranker' is a DistributedDataParallel: pass the model with 'ranker' unwrapped",
+             lambda m: Holder(DistributedDataParallel(m)))]
+
+
+def _snapshot(model: nn.Module):
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in model.state_dict().items()}
+    return [(n, type(m)) for n, m in model.named_modules()], state
+
+
+def _wrapped_worker(rank, world):
+    out = []
+    for what, wrap in _wrappers():
+        for who, call in (("sparsecomm.plan", lambda m: sparsecomm.plan(m, torch.randint(0, 1000, (4,)))),
+                          ("sparsecomm.parallelize", lambda m: sparsecomm.parallelize(m, torch.optim.SGD, lr=0.1))):
+            model = wrap(Ranker())
+            modules, state = _snapshot(model)
+            with pytest.raises(TypeError) as err:
+                call(model)
+            after_modules, after = _snapshot(model)
+            assert after_modules == modules and all(torch.equal(after[k], v) for k, v in state.items()), (who, what)
+            out.append(str(err.value))
+            assert str(err.value).startswith(f"{who}: rank 0: {what}"), (str(err.value), who, what)
+    return out
+
+
+def test_a_wrapped_model_is_refused_on_every_rank_before_anything_changes():
+    results = run_ranks(2, _wrapped_worker)
+    assert results[0] == results[1] and len(results[0]) == 8, results
+    assert all("parallelize wraps the dense part itself" in m or "dense='fsdp'" in m for m in results[0])
