@@ -112,3 +112,24 @@ def run_cases(rank: int, world: int, cases) -> Dict[str, Any]:
         except BaseException as exc:
             raise AssertionError(f"case {name} failed on rank {rank} of {world}") from exc
     return out
+
+
+def full_weights(model) -> Dict[str, Any]:
+    """Every weight of a (possibly DDP-wrapped, parallelized) model as a full tensor, keyed like the
+    single-process model's: a sharded table by its ``full_weight()`` (its own state-dict entry is the table
+    as a DTensor of id-order chunks, and collective). Tables must be the model's direct children."""
+    from sparsecomm.sharded.table import ShardedTable
+
+    out: Dict[str, Any] = {}
+    for n, m in getattr(model, "module", model).named_children():
+        parts = {"weight": m.full_weight()} if isinstance(m, ShardedTable) else m.state_dict()
+        out.update({f"{n}.{k}": v for k, v in parts.items()})
+    return out
+
+
+def weight_diffs(model, reference) -> Dict[str, float]:
+    """Per weight, the largest difference between ``model``'s (:func:`full_weights`) and ``reference``'s, which
+    must have the same names."""
+    got, want = full_weights(model), reference.state_dict()
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    return {k: float((got[k] - want[k]).abs().max()) for k in want}

@@ -21,7 +21,7 @@ import sparsecomm
 from sparsecomm import sharded
 from sparsecomm.sharded.lookup import PendingLookup
 
-from distributed import expect_value_error, run_cases, run_ranks
+from distributed import expect_value_error, run_cases, run_ranks, weight_diffs
 
 GLOBAL_BATCH = 12          # divisible by 1, 2 and 3: every rank gets the same number of samples
 STEPS = 4
@@ -113,25 +113,10 @@ def make_plan(model, world_size):
     return p
 
 
-def weights_of(model) -> dict:
-    """Every weight of a (possibly parallelized) model as a full tensor, keyed like the reference's."""
-    inner = getattr(model, "module", model)
-    out = {}
-    for name, m in inner.named_children():
-        if isinstance(m, (sharded.ShardedEmbedding, sharded.ShardedEmbeddingBag)):
-            out[f"{name}.weight"] = m.full_weight()
-    for k, v in inner.state_dict().items():
-        if k not in out and not k.endswith(("local_weight", "_extra_state")):
-            out[k] = v  # a sharded table's own entry is a DTensor of id-order chunks: full_weight() above
-    return out
-
-
 def assert_same(model, reference, what):
-    got, want = weights_of(model), reference.state_dict()
-    assert set(got) == set(want), (sorted(got), sorted(want))
-    for k in want:
-        err = (got[k] - want[k]).abs().max().item()
-        assert err < TOL, f"{what}: {k} differs by {err}"
+    diffs = weight_diffs(model, reference)
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] < TOL, f"{what}: {worst} differs by {diffs[worst]}"
 
 
 def train_parallel(rank, world, name, steps, model, opt):

@@ -75,6 +75,17 @@ class Batches:
             self.losses.append(float(self.ns["loss"].detach()))
 '''
 
+# The model of the README's and docs/HOOK.md's register snippets.
+MY_MODEL = '''
+class MyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(2000, 16, mode="sum", sparse=True)
+        self.mlp = nn.Linear(16, 1)
+    def forward(self, ids):
+        return self.mlp(self.emb(ids))
+'''
+
 SNIPPETS: List[Snippet] = [
     Snippet(  # README "In one call: sparsecomm.parallelize"
         marker="model, opt = sparsecomm.parallelize(",
@@ -106,15 +117,7 @@ result = [big.full_weight() if plan.sharded() else big.weight.detach().clone(), 
     ),
     Snippet(  # README "In a DDP model: sparsecomm.register"
         marker="state = sparsecomm.register(ddp)",
-        prelude='''
-class MyModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.EmbeddingBag(2000, 16, mode="sum", sparse=True)
-        self.mlp = nn.Linear(16, 1)
-    def forward(self, ids):
-        return self.mlp(self.emb(ids))
-
+        prelude=MY_MODEL + '''
 torch.manual_seed(0)
 g = torch.Generator().manual_seed(100 + RANK)  # each rank its own batch, trained 12 times
 data = Batches([torch.randint(0, 2000, (32, 4), generator=g)] * 12, globals())
@@ -129,15 +132,7 @@ result = [p.detach().clone() for p in model.parameters()]  # replicas must agree
     ),
     Snippet(  # docs/HOOK.md "register, the PyTorch way"
         marker="ddp.register_comm_hook(state, sparsecomm.sparsecomm_hook)",
-        prelude='''
-class MyModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.EmbeddingBag(2000, 16, mode="sum", sparse=True)
-        self.mlp = nn.Linear(16, 1)
-    def forward(self, ids):
-        return self.mlp(self.emb(ids))
-
+        prelude=MY_MODEL + '''
 torch.manual_seed(0)
 model = MyModel()
 ''',

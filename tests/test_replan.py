@@ -25,7 +25,7 @@ import sparsecomm
 from sparsecomm import sharded
 from sparsecomm.sharded.table import ShardedTable
 
-from distributed import expect_value_error, run_cases, run_ranks
+from distributed import expect_value_error, run_cases, run_ranks, weight_diffs
 
 GLOBAL_BATCH = 6           # divisible by 1, 2 and 3
 TOL = 1e-6
@@ -116,21 +116,10 @@ class Reference:
             self.sched.step()
 
 
-def weights_of(model) -> dict:
-    out = {}
-    for n, m in inner_of(model).named_children():
-        # A sharded table's state dict is the table in id order (collective, a DTensor): full_weight() is simpler.
-        parts = {"weight": m.full_weight()} if isinstance(m, ShardedTable) else m.state_dict()
-        out.update({f"{n}.{k}": v for k, v in parts.items()})
-    return out
-
-
 def assert_same(model, reference, what):
-    got, want = weights_of(model), reference.state_dict()
-    assert set(got) == set(want), (sorted(got), sorted(want))
-    for k in want:
-        err = (got[k] - want[k]).abs().max().item()
-        assert err < TOL, f"{what}: {k} differs by {err}"
+    diffs = weight_diffs(model, reference)
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] < TOL, f"{what}: {worst} differs by {diffs[worst]}"
 
 
 def train_step(model, opt, sched, step, rank, world):

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import sparsecomm
 from sparsecomm import sharded
 
-from distributed import run_cases, run_ranks
+from distributed import run_cases, run_ranks, weight_diffs
 
 PER_RANK, D, STEPS = 4, 4, 5
 TOL = 1e-9
@@ -80,20 +80,8 @@ def train(model, opt, batches):
         opt.step()
 
 
-def weights_of(model) -> dict:
-    inner = getattr(model, "module", model)
-    out = {f"{n}.weight": m.full_weight() for n, m in inner.named_children()
-           if isinstance(m, (sharded.ShardedEmbedding, sharded.ShardedEmbeddingBag))}
-    # A sharded table's own state-dict entry is a DTensor of id-order chunks: its full_weight() above stands for it.
-    out.update({k: v for k, v in inner.state_dict().items()
-                if k not in out and not k.endswith(("local_weight", "_extra_state"))})
-    return out
-
-
 def max_diff(model, reference) -> float:
-    got, want = weights_of(model), reference.state_dict()
-    assert set(got) == set(want), (sorted(got), sorted(want))
-    return max(float((got[k] - want[k]).abs().max()) for k in want)
+    return max(weight_diffs(model, reference).values())
 
 
 def parallel(world: int, name: str, **kwargs):

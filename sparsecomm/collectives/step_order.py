@@ -103,14 +103,8 @@ def at_backward_end(phase: int, key: Tuple[Any, ...], job: Callable[[], None]) -
     Raises:
         RuntimeError: called outside a backward pass.
     """
-    task = current_backward()
-    if task is None:
-        raise RuntimeError("sparsecomm: at_backward_end needs a backward pass")
-    entry, new = _entry(task)
-    with _lock:  # a job added while the jobs run (by a job) runs in this pass too
-        entry.jobs.append((phase, key, next(_sequence), job))
-    if new:
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _run(task))
+    # A job added while the jobs run (by a job) runs in this pass too.
+    _add("at_backward_end", lambda entry: entry.jobs.append((phase, key, next(_sequence), job)))
 
 
 def after_backward(job: Callable[[], None]) -> None:
@@ -119,12 +113,17 @@ def after_backward(job: Callable[[], None]) -> None:
     Raises:
         RuntimeError: called outside a backward pass.
     """
+    _add("after_backward", lambda entry: entry.after.append(job))
+
+
+def _add(who: str, add: Callable[[Any], None]) -> None:
+    """Record a job in this backward's entry (``add`` runs under the lock); the first one queues the run."""
     task = current_backward()
     if task is None:
-        raise RuntimeError("sparsecomm: after_backward needs a backward pass")
+        raise RuntimeError(f"sparsecomm: {who} needs a backward pass")
     entry, new = _entry(task)
     with _lock:
-        entry.after.append(job)
+        add(entry)
     if new:
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _run(task))
 
