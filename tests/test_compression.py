@@ -52,7 +52,7 @@ def _worker(rank, world, compression):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("compression", ["bf16", "fp16"])
 def test_compressed_sums_are_within_the_bound_and_halve_the_value_bytes(world, compression):
     results = run_ranks(world, _worker, compression)

@@ -52,7 +52,7 @@ def _plan_text_worker(rank, world):
     return str(sparsecomm.plan(TwoInputs(), lambda m: m(ids, items)))
 
 
-@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("world", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_printed_plan_fits_120_columns_and_numbers_its_reasons(world):
     text = run_ranks(world, _plan_text_worker)[0]
     lines = text.splitlines()
