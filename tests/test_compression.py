@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparsecomm
-from distributed import run_ranks
+from distributed import expect_value_error, run_ranks
 
 V, D = 300, 8
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
@@ -78,11 +78,8 @@ def test_compressed_sums_are_within_the_bound_and_halve_the_value_bytes(world, c
 
 
 def _mismatch_worker(rank, world):
-    try:
-        sparsecomm.sparse_allreduce(_grad(rank), compression="bf16" if rank == 0 else None)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return expect_value_error(lambda: sparsecomm.sparse_allreduce(_grad(rank), compression="bf16" if rank == 0
+                                                                  else None), "ranks disagree")
 
 
 def test_ranks_that_disagree_on_the_wire_dtype_raise_on_every_rank():

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsecomm
-from distributed import run_ranks
+from distributed import expect_value_error, run_ranks
 
 
 class TwoInputs(nn.Module):
@@ -33,11 +33,9 @@ def test_plan_without_a_process_group_under_a_launcher_says_to_initialize(monkey
 
 def _sample_worker(rank, world):
     ids, items = torch.randint(0, 200_000, (4, 3)), torch.randint(0, 1000, (4,))
-    try:  # rank 1 alone passes a tuple for a two-argument forward: every rank must hear of it
-        sparsecomm.plan(TwoInputs(), (ids, items) if rank == 1 else (lambda m: m(ids, items)))
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    # Rank 1 alone passes a tuple for a two-argument forward: every rank must hear of it.
+    return expect_value_error(lambda: sparsecomm.plan(TwoInputs(), (ids, items) if rank == 1
+                                                      else (lambda m: m(ids, items))), "sample_batch")
 
 
 def test_a_sample_batch_that_does_not_fit_forward_fails_on_every_rank_with_the_fix():
