@@ -1,8 +1,9 @@
 // Which rank owns a row: the one owner map of the CPU and the CUDA kernels.
 //
 // owner(id) = (bucket(id) / stride) % num_owners, where bucket(id) is
-// splitmix64(id) under the hash scheme and id / range_size under the range
-// scheme. Every rank evaluates the same arithmetic on the same id, on the CPU
+// splitmix64(id) under the hash scheme, id / range_size under the range
+// scheme, and the map's one parameter (the owner of the whole table, held in
+// range_size) under the table scheme. Every rank evaluates the same arithmetic on the same id, on the CPU
 // or on the GPU, so ranks agree on every row's owner without talking; keeping
 // it in one file is what makes the two devices agree bit for bit.
 //
@@ -24,6 +25,7 @@
 
 #define SPARSECOMM_SCHEME_HASH 0
 #define SPARSECOMM_SCHEME_RANGE 1
+#define SPARSECOMM_SCHEME_TABLE 2
 
 namespace sparsecomm {
 
@@ -31,7 +33,7 @@ namespace sparsecomm {
 struct OwnerMap {
   int scheme;            // SPARSECOMM_SCHEME_*
   long long num_owners;  // >= 1
-  long long range_size;  // >= 1 under the range scheme; unused by the hash scheme
+  long long range_size;  // range: rows per bucket, >= 1; table: the owner of every row, >= 0; hash: unused
   long long stride;      // >= 1: consecutive buckets that map to one owner
 };
 
@@ -45,17 +47,20 @@ SPARSECOMM_HOST_DEVICE unsigned long long splitmix64(unsigned long long z) {
 
 // Why `map` cannot be evaluated (an unknown scheme, or a size that would divide by zero), or nullptr.
 SPARSECOMM_HOST_DEVICE const char* owner_map_error(const OwnerMap& map) {
-  if (map.scheme != SPARSECOMM_SCHEME_HASH && map.scheme != SPARSECOMM_SCHEME_RANGE)
+  if (map.scheme != SPARSECOMM_SCHEME_HASH && map.scheme != SPARSECOMM_SCHEME_RANGE &&
+      map.scheme != SPARSECOMM_SCHEME_TABLE)
     return "unknown partition scheme";
   if (map.num_owners < 1) return "num_owners must be >= 1";
   if (map.stride < 1) return "stride must be >= 1";
   if (map.scheme == SPARSECOMM_SCHEME_RANGE && map.range_size < 1) return "range_size must be >= 1";
+  if (map.scheme == SPARSECOMM_SCHEME_TABLE && map.range_size < 0) return "the table scheme's owner must be >= 0";
   return nullptr;
 }
 
 // The bucket of an id (read as unsigned 64 bits) under the map's scheme.
 SPARSECOMM_HOST_DEVICE unsigned long long owner_bucket(unsigned long long key, const OwnerMap& map) {
   if (map.scheme == SPARSECOMM_SCHEME_HASH) return splitmix64(key);
+  if (map.scheme == SPARSECOMM_SCHEME_TABLE) return static_cast<unsigned long long>(map.range_size);
   return key / static_cast<unsigned long long>(map.range_size);  // SPARSECOMM_SCHEME_RANGE
 }
 

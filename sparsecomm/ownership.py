@@ -5,7 +5,9 @@ A scheme maps a row id to one of N owners (docs/DESIGN.md, "Ownership"):
 - ``hash``: ``splitmix64(id) mod N``: balanced under Zipf skew and for
   consecutive ids (the default);
 - ``range``: ``id // range_size`` with ``range_size = ceil(V / N)``:
-  contiguous blocks, an owner's rows are one slice.
+  contiguous blocks, an owner's rows are one slice;
+- ``table``: every row on one ``owner`` (table-wise placement: a lookup
+  talks to one rank, which can pool whole bags).
 
 The kernels (``csrc/owner_map.h``, shared by the CPU and CUDA sources) compute
 the owner from a scheme *code*; this module is the one place that turns a
@@ -14,7 +16,7 @@ scheme's block size. Every rank runs the same arithmetic, so every rank agrees
 on every row's owner without talking.
 
 :class:`OwnerMap` is a whole map as the kernels take it (scheme code, owner
-count, range size, stride), built and validated here for :mod:`sparsecomm.ops`
+count, range size or owner, stride), built and validated here for :mod:`sparsecomm.ops`
 and :mod:`sparsecomm._cuda`.
 
 Adding a scheme: a member of :class:`~sparsecomm.types.PartitionScheme`, its
@@ -31,7 +33,7 @@ __all__ = ["PartitionScheme", "scheme_of", "scheme_code", "scheme_from_code", "r
            "describe_code", "OwnerMap"]
 
 # The code each scheme has in the kernels and on the wire (csrc/owner_map.h: SPARSECOMM_SCHEME_*).
-_CODES = {PartitionScheme.HASH: 0, PartitionScheme.RANGE: 1}
+_CODES = {PartitionScheme.HASH: 0, PartitionScheme.RANGE: 1, PartitionScheme.TABLE: 2}
 _NAMES = {code: scheme for scheme, code in _CODES.items()}
 
 
@@ -79,13 +81,23 @@ def range_size(num_rows: int, num_owners: int) -> int:
 
 
 def owner_range_size(scheme: Union[str, PartitionScheme], num_owners: int, num_rows: Optional[int],
-                     given: Optional[int] = None) -> int:
-    """The ``range_size`` the kernels take for ``scheme``: ``given``, else ``ceil(V / N)``; 1 for other schemes.
+                     given: Optional[int] = None, owner: Optional[int] = None) -> int:
+    """The parameter the kernels take for ``scheme`` (their ``range_size`` argument).
+
+    Range scheme: ``given``, else ``ceil(V / N)``; table scheme: ``owner``,
+    the rank that holds every row; hash scheme: 1 (unused).
 
     Raises:
-        ValueError: the range scheme with neither ``given`` nor ``num_rows``, or a ``given`` below 1.
+        ValueError: the range scheme with neither ``given`` nor ``num_rows``, or a ``given`` below 1; the table
+            scheme without an owner in ``[0, num_owners)``.
     """
-    if scheme_of(scheme) is not PartitionScheme.RANGE:
+    kind = scheme_of(scheme)
+    if kind is PartitionScheme.TABLE:
+        if not isinstance(owner, int) or isinstance(owner, bool) or not 0 <= owner < num_owners:
+            raise ValueError(f"scheme='table' needs owner, the rank holding the table, in [0, {num_owners}); "
+                             f"got {owner!r}")
+        return owner
+    if kind is not PartitionScheme.RANGE:
         return 1
     if given is None:
         if num_rows is None:
@@ -105,7 +117,8 @@ class OwnerMap(NamedTuple):
     Attributes:
         num_owners: owners (ranks), >= 1.
         scheme: the scheme's code (:func:`scheme_code`).
-        range_size: rows per bucket under the range scheme, >= 1 (1 under the others, which ignore it).
+        range_size: rows per bucket under the range scheme, >= 1; the owner of every row under the table
+            scheme, >= 0; 1 under the hash scheme, which ignores it.
         stride: consecutive buckets that map to one owner, >= 1.
     """
 
@@ -116,7 +129,7 @@ class OwnerMap(NamedTuple):
 
     @classmethod
     def of(cls, num_owners: int, scheme: Union[str, PartitionScheme], num_rows: Optional[int] = None,
-           range_size: Optional[int] = None, stride: int = 1) -> "OwnerMap":
+           range_size: Optional[int] = None, stride: int = 1, owner: Optional[int] = None) -> "OwnerMap":
         """The map that :func:`sparsecomm.ops.partition_rows`' owner arguments name.
 
         Args:
@@ -125,6 +138,7 @@ class OwnerMap(NamedTuple):
             num_rows: the table's rows ``V``: the range scheme's default ``range_size`` is ``ceil(V / N)``.
             range_size: the range scheme's bucket size, overriding that default.
             stride: a positive int.
+            owner: the table scheme's owner, in ``[0, num_owners)`` (other schemes ignore it).
 
         Raises:
             ValueError: naming the bad argument.
@@ -134,13 +148,13 @@ class OwnerMap(NamedTuple):
         code = scheme_code(scheme)
         if not isinstance(stride, int) or stride < 1:
             raise ValueError(f"stride must be a positive int, got {stride!r}")
-        return cls(num_owners, code, owner_range_size(scheme, num_owners, num_rows, range_size), stride)
+        return cls(num_owners, code, owner_range_size(scheme, num_owners, num_rows, range_size, owner), stride)
 
     def check(self) -> "OwnerMap":
         """Return this map if the kernels can evaluate it (``owner_map_error`` in ``csrc/owner_map.h``).
 
         Raises:
-            ValueError: an unknown scheme code, or a size below 1 that the map would divide by.
+            ValueError: an unknown scheme code, a size below 1 that the map would divide by, or a negative owner.
         """
         scheme = scheme_from_code(self.scheme)
         if self.num_owners < 1:
@@ -149,4 +163,6 @@ class OwnerMap(NamedTuple):
             raise ValueError(f"stride must be >= 1, got {self.stride}")
         if scheme is PartitionScheme.RANGE and self.range_size < 1:
             raise ValueError(f"range_size must be >= 1, got {self.range_size}")
+        if scheme is PartitionScheme.TABLE and self.range_size < 0:
+            raise ValueError(f"the table scheme's owner must be >= 0, got {self.range_size}")
         return self

@@ -14,6 +14,7 @@ class PartitionScheme(str, enum.Enum):
 
     HASH = "hash"    # splitmix64(id) mod N: balanced under Zipf skew (default)
     RANGE = "range"  # contiguous blocks of ceil(V / N) rows
+    TABLE = "table"  # every row on one owner (table-wise placement)
 
 
 class SyncMethod(str, enum.Enum):

@@ -308,7 +308,7 @@ def test_empty_inputs_launch_nothing(gpu):
 
 def test_partition_rejects_a_bad_owner_map_before_launching(gpu):
     ids = torch.tensor([1, 2])
-    for args in ((0, 0, 1, 1), (2, 2, 1, 1), (2, 0, 1, 0), (2, 1, 0, 1)):
+    for args in ((0, 0, 1, 1), (2, 9, 1, 1), (2, 0, 1, 0), (2, 1, 0, 1), (2, 2, -1, 1)):
         with pytest.raises(ValueError):
             _rows.partition_rows_cuda(ids, None, *args)
     assert gpu.launched == []

@@ -178,15 +178,16 @@ def partition_rows_cuda(
     """Reorder rows so that each owner's rows are contiguous, on the GPU.
 
     ``owner(id) = (bucket(id) // stride) % num_owners`` where ``bucket`` is
-    splitmix64(id) for the hash scheme or ``id // range_size`` for the range
-    scheme: ``csrc/owner_map.h``, the map the CPU kernel evaluates too.
+    splitmix64(id) for the hash scheme, ``id // range_size`` for the range
+    scheme, ``range_size`` itself (the owner) for the table scheme:
+    ``csrc/owner_map.h``, the map the CPU kernel evaluates too.
 
     Args:
         ids: ``(n,)`` int32 or int64 non-negative row ids.
         values: ``(n, d)`` rows that travel with the ids, or None.
         num_owners: Number of owners (ranks), >= 1.
         scheme: The scheme's code (:func:`sparsecomm.ownership.scheme_code`).
-        range_size: Ids per range (range scheme only), >= 1.
+        range_size: Ids per range (range scheme), >= 1; the owner (table scheme), >= 0.
         stride: Consecutive buckets that map to one owner, >= 1.
 
     Returns:
@@ -201,7 +202,7 @@ def partition_rows_cuda(
     ownership.OwnerMap(num_owners, scheme, range_size, stride).check()
     if num_owners > 2**31 - 1:  # owners are written as int32
         raise ValueError(f"sparsecomm: num_owners must be in [1, 2**31), got {num_owners}")
-    is_range = ownership.scheme_from_code(scheme) is PartitionScheme.RANGE
+    uses_param = ownership.scheme_from_code(scheme) in (PartitionScheme.RANGE, PartitionScheme.TABLE)
     n = ids.numel()
     counts = torch.zeros(num_owners, dtype=torch.int64, device=ids.device)
     if n == 0:
@@ -220,7 +221,7 @@ def partition_rows_cuda(
             _cuda.i32(scheme),
             _cuda.i64(num_owners),
             # Unused by the hash scheme; 1 keeps the argument meaningful.
-            _cuda.i64(range_size if is_range else 1),
+            _cuda.i64(range_size if uses_param else 1),
             _cuda.i64(stride),
             _cuda.ptr(owners),
             _cuda.ptr(counts),

@@ -24,7 +24,7 @@ from sparsecomm.collectives.groups import comm_device
 from sparsecomm.collectives.launchers import env_local_world_size
 from sparsecomm.collectives.transport import wire_index_dtype
 from sparsecomm.ownership import range_size, scheme_of
-from sparsecomm.types import ReduceOp, SparseSyncStats, SyncMethod, WireStatus
+from sparsecomm.types import PartitionScheme, ReduceOp, SparseSyncStats, SyncMethod, WireStatus
 
 __all__ = ["SyncOptions", "SyncPlan", "TensorRows", "Peers", "prepare", "unlinear", "WIRE_DTYPES"]
 
@@ -75,6 +75,9 @@ class SyncPlan:
     @staticmethod
     def build(tensors: Sequence[torch.Tensor], group, options: SyncOptions) -> "SyncPlan":
         op, scheme = ReduceOp(options.op), scheme_of(options.scheme)
+        if scheme is PartitionScheme.TABLE:
+            raise ValueError("scheme='table' places a sharded table on one rank; a sparse allreduce owns rows by "
+                             "'hash' or 'range'")
         methods = [SyncMethod(m) for m in options.methods]
         nonfinite, capacity = options.nonfinite, options.capacity
         local_world_size, local_aggregation = options.local_world_size, options.local_aggregation

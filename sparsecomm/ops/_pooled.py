@@ -132,11 +132,11 @@ def unique_inverse(ids: torch.Tensor, num_rows: Optional[int] = None) -> Tuple[t
 
 def pooled_request(ids: torch.Tensor, bag_of: torch.Tensor, num_owners: int, scheme: str = "hash",
                    num_rows: Optional[int] = None, range_size: Optional[int] = None, *,
-                   num_bags: Optional[int] = None, stride: int = 1) -> PooledPlan:
+                   num_bags: Optional[int] = None, stride: int = 1, owner: Optional[int] = None) -> PooledPlan:
     """The requester side of owner pooling, in one kernel call: what each owner gets for a bag lookup.
 
     Owners are those of :func:`partition_rows` (same ``num_owners``, ``scheme``, ``num_rows``,
-    ``range_size``, ``stride``). Exactly what these torch ops give (``n = num_owners``)::
+    ``range_size``, ``stride``, ``owner``). Exactly what these torch ops give (``n = num_owners``)::
 
         occ = partition_rows(ids, None, n, scheme, num_rows, range_size=range_size, stride=stride)
         order, occ_counts = occ.perm, occ.counts
@@ -149,7 +149,7 @@ def pooled_request(ids: torch.Tensor, bag_of: torch.Tensor, num_owners: int, sch
     Args:
         ids: ``(n,)`` int64 ids in ``[0, num_rows)``.
         bag_of: ``(n,)`` int64, the bag of each id: non-decreasing, in ``[0, num_bags)`` (bags may be empty).
-        num_owners, scheme, num_rows, range_size, stride: the owner map of :func:`partition_rows`.
+        num_owners, scheme, num_rows, range_size, stride, owner: the owner map of :func:`partition_rows`.
         num_bags: bound on ``bag_of`` (None: only non-negative).
 
     Returns:
@@ -167,5 +167,5 @@ def pooled_request(ids: torch.Tensor, bag_of: torch.Tensor, num_owners: int, sch
         raise ValueError(f"bag_of is on {bag_of.device} but ids is on {ids.device}")
     bound = check_num_rows(num_rows)
     bags = -1 if num_bags is None else check_size(num_bags, "num_bags")
-    owners = owner_map(num_owners, scheme, num_rows, range_size, stride)
+    owners = owner_map(num_owners, scheme, num_rows, range_size, stride, owner)
     return PooledPlan(*_library.call("pooled_request", ids, bag_of, bound, *owners, bags))

@@ -68,14 +68,15 @@ def coalesce_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: Optional[in
 
 
 def partition_rows(ids: torch.Tensor, values: Optional[torch.Tensor], num_owners: int, scheme: str = "hash",
-                   num_rows: Optional[int] = None, *, range_size: Optional[int] = None, stride: int = 1
-                   ) -> Partition:
+                   num_rows: Optional[int] = None, *, range_size: Optional[int] = None, stride: int = 1,
+                   owner: Optional[int] = None) -> Partition:
     """Group rows by their owner rank, stably.
 
     ``owner(id) = (bucket(id) // stride) % num_owners`` where ``bucket`` is a
     64-bit mix of the id (``scheme="hash"``: spreads Zipf-hot and consecutive
-    ids evenly) or ``id // range_size`` (``scheme="range"``: contiguous blocks,
-    ``range_size`` defaults to ``ceil(num_rows / num_owners)``). ``stride``
+    ids evenly), ``id // range_size`` (``scheme="range"``: contiguous blocks,
+    ``range_size`` defaults to ``ceil(num_rows / num_owners)``) or ``owner``
+    (``scheme="table"``: every row on one rank). ``stride``
     lets a two-level exchange split the same buckets first across the ranks of
     a node and then across nodes.
 
@@ -83,10 +84,11 @@ def partition_rows(ids: torch.Tensor, values: Optional[torch.Tensor], num_owners
         ids: ``(n,)`` int32/int64 ids, non-negative (and ``< num_rows`` if given).
         values: ``(n, *row_shape)`` rows to move with the ids, or None.
         num_owners: number of owners (ranks).
-        scheme: ``"hash"`` or ``"range"``.
+        scheme: ``"hash"``, ``"range"`` or ``"table"``.
         num_rows: table size; bounds the ids, and sizes the ranges.
         range_size: rows per range bucket (overrides the default above).
         stride: divides the bucket before the modulo.
+        owner: the table scheme's owner, in ``[0, num_owners)`` (required by it, ignored by the others).
 
     Returns:
         A :class:`Partition` (counts, ids, values, perm).
@@ -98,15 +100,15 @@ def partition_rows(ids: torch.Tensor, values: Optional[torch.Tensor], num_owners
     if values is not None:
         check_values(values, "values", ids.shape[0], ids.device)
     bound = check_num_rows(num_rows)
-    owners = owner_map(num_owners, scheme, num_rows, range_size, stride)
+    owners = owner_map(num_owners, scheme, num_rows, range_size, stride, owner)
     flat = None if values is None else values.reshape(ids.shape[0], row_width(values))
     counts, out_ids, out_values, perm = _library.call("partition", ids, flat, bound, *owners)
     return Partition(counts, out_ids, None if values is None else out_values.view(values.shape), perm)
 
 
 def coalesce_partition_rows(ids: torch.Tensor, values: torch.Tensor, num_owners: int, scheme: str = "hash",
-                            num_rows: Optional[int] = None, *, range_size: Optional[int] = None, stride: int = 1
-                            ) -> Partition:
+                            num_rows: Optional[int] = None, *, range_size: Optional[int] = None, stride: int = 1,
+                            owner: Optional[int] = None) -> Partition:
     """Coalesce rows and group the sums by owner, in one pass over the values.
 
     The same result as ``partition_rows(*coalesce_rows(ids, values, num_rows),
@@ -115,7 +117,7 @@ def coalesce_partition_rows(ids: torch.Tensor, values: torch.Tensor, num_owners:
 
     Args:
         ids, values, num_rows: as for :func:`coalesce_rows`.
-        num_owners, scheme, range_size, stride: the owner map of :func:`partition_rows`.
+        num_owners, scheme, range_size, stride, owner: the owner map of :func:`partition_rows`.
 
     Returns:
         A :class:`Partition` whose ``ids`` are unique (ascending inside each
@@ -127,20 +129,20 @@ def coalesce_partition_rows(ids: torch.Tensor, values: torch.Tensor, num_owners:
     check_ids(ids)
     check_values(values, "values", ids.shape[0], ids.device)
     bound = check_num_rows(num_rows)
-    owners = owner_map(num_owners, scheme, num_rows, range_size, stride)
+    owners = owner_map(num_owners, scheme, num_rows, range_size, stride, owner)
     counts, out_ids, sums = _library.call("coalesce_partition", ids, values.reshape(ids.shape[0], row_width(values)),
                                           bound, *owners)
     return Partition(counts, out_ids, sums.view((out_ids.shape[0], *values.shape[1:])), None)
 
 
 def row_owners(ids: torch.Tensor, num_owners: int, scheme: str = "hash", num_rows: Optional[int] = None, *,
-               range_size: Optional[int] = None, stride: int = 1) -> torch.Tensor:
+               range_size: Optional[int] = None, stride: int = 1, owner: Optional[int] = None) -> torch.Tensor:
     """Return the owner of each id under the same map as :func:`partition_rows`.
 
     Returns:
         ``(n,)`` int64 owners.
     """
-    part = partition_rows(ids, None, num_owners, scheme, num_rows, range_size=range_size, stride=stride)
+    part = partition_rows(ids, None, num_owners, scheme, num_rows, range_size=range_size, stride=stride, owner=owner)
     owners = torch.repeat_interleave(torch.arange(num_owners, device=ids.device), part.counts)
     out = torch.empty_like(owners)
     out[part.perm] = owners

@@ -94,9 +94,9 @@ def check_int64_ids(ids, name: str) -> None:
 
 
 def owner_map(num_owners: int, scheme: str, num_rows: Optional[int], range_size: Optional[int],
-              stride: int) -> ownership.OwnerMap:
-    """The owner map the ops' ``num_owners, scheme, num_rows, range_size, stride`` name (ValueError otherwise)."""
-    return ownership.OwnerMap.of(num_owners, scheme, num_rows, range_size, stride)
+              stride: int, owner: Optional[int] = None) -> ownership.OwnerMap:
+    """The owner map the ops' ``num_owners, scheme, num_rows, range_size, stride, owner`` name (ValueError otherwise)."""
+    return ownership.OwnerMap.of(num_owners, scheme, num_rows, range_size, stride, owner)
 
 
 def _owner_map(num_owners: int, scheme: str, num_rows: Optional[int], range_size: Optional[int],
