@@ -192,7 +192,7 @@ def save(directory: str, model: nn.Module, optimizer: Any = None, extra: Any = N
         "plan": _plan_of(model),
         "tables": {name: {"num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
                           "dtype": str(t.local_weight.dtype).replace("torch.", ""), "scheme": t.scheme,
-                          "kind": type(t).__name__,
+                          "owner": t.owner, "kind": type(t).__name__,
                           "rows_per_rank": [g[1][name]["rows"] for g in gathered],
                           "optimizer_rows": gathered[0][1][name]["row_state"]}
                    for name, t in tables},

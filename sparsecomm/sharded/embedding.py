@@ -48,7 +48,10 @@ class ShardedEmbedding(ShardedTable):
         padding_idx: as ``nn.Embedding``: the row starts at zero and never
             receives a gradient (nor an optimizer update).
         scheme: row ownership, ``"hash"`` (balanced under Zipf skew, the
-            default) or ``"range"`` (contiguous blocks), as the sparse path.
+            default) or ``"range"`` (contiguous blocks), as the sparse path;
+            or ``"table"``: the whole table on rank ``owner`` (table-wise: a
+            lookup talks to that one rank, which pools whole bags).
+        owner: the rank holding the table under ``scheme="table"`` (None otherwise).
         group: process group (default: the whole world). Its ranks own the rows.
         grad_reduction: ``"mean"`` (default): owners average the ranks'
             gradients, like DDP does for dense parameters; ``"sum"``: add them.
@@ -134,7 +137,7 @@ class ShardedEmbeddingBag(ShardedTable):
             the same choice. ``"max"``, per-sample weights that require grad,
             and a table looked up twice in one round always take rows.
             ``stats.pooled_lookups`` / ``stats.row_lookups`` count each path.
-        **kwargs: ``scheme``, ``group``, ``grad_reduction``, ``seed``,
+        **kwargs: ``scheme``, ``owner``, ``group``, ``grad_reduction``, ``seed``,
             ``dtype``, ``device``, ``hot_rows`` as :class:`ShardedEmbedding`
             (a table with a hot set takes the rows path).
     """

@@ -8,6 +8,10 @@ local shard:
 
 - ``range``: rank ``r`` owns ``[r * range_size, (r + 1) * range_size)`` and
   ``slot = id - r * range_size``; nothing is stored.
+- ``table``: rank ``owner`` holds every row (``slot = id``), the others
+  none; nothing is stored. ``range_size`` stays ``ceil(V / N)``: it sizes
+  the id-order chunks of checkpoints (:mod:`sparsecomm.sharded.dcp`), which
+  do not depend on the scheme.
 - ``hash``: the slot is the id's rank among the ids this rank owns, found
   one of two ways, whichever takes less memory:
 
@@ -53,20 +57,22 @@ class RowLayout:
         num_embeddings: table rows ``V``.
         world_size: number of owners ``N``.
         rank: this rank.
-        scheme: ``"hash"`` (balanced under Zipf skew) or ``"range"`` (contiguous blocks).
+        scheme: ``"hash"`` (balanced under Zipf skew), ``"range"`` (contiguous blocks) or ``"table"``
+            (every row on ``owner``).
+        owner: the table scheme's owner rank (required by it; the other schemes take None).
         device: where the ownership map (hash) lives and where
             :meth:`owned_ids` returns its ids; :meth:`slots` and :meth:`owns`
             accept ids on any device and answer on the ids' device.
 
     Raises:
-        ValueError: a bad size, rank or scheme.
+        ValueError: a bad size, rank, scheme or owner.
     """
 
-    __slots__ = ("num_embeddings", "world_size", "rank", "scheme", "range_size", "num_local", "device", "_owned",
-                 "_start", "_bits", "_before")
+    __slots__ = ("num_embeddings", "world_size", "rank", "scheme", "owner", "range_size", "num_local", "device",
+                 "_owned", "_start", "_bits", "_before")
 
     def __init__(self, num_embeddings: int, world_size: int, rank: int, scheme: str = "hash",
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, owner: Optional[int] = None) -> None:
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
@@ -75,6 +81,11 @@ class RowLayout:
         self.world_size = world_size
         self.rank = rank
         self.scheme = ownership.scheme_of(scheme).value
+        if self.scheme == PartitionScheme.TABLE:
+            ownership.owner_range_size(self.scheme, world_size, num_embeddings, owner=owner)  # checks the owner
+        elif owner is not None:
+            raise ValueError(f"owner is the table scheme's; scheme={self.scheme!r} takes owner=None, got {owner!r}")
+        self.owner = owner
         self.range_size = ownership.range_size(num_embeddings, world_size)
         self._owned: Optional[torch.Tensor] = None
         self._bits: Optional[torch.Tensor] = None
@@ -82,7 +93,9 @@ class RowLayout:
         self._start = 0
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.device = device
-        if self.scheme == PartitionScheme.RANGE:
+        if self.scheme == PartitionScheme.TABLE:
+            self.num_local = num_embeddings if rank == owner else 0
+        elif self.scheme == PartitionScheme.RANGE:
             self._start = min(num_embeddings, rank * self.range_size)
             self.num_local = min(num_embeddings, self._start + self.range_size) - self._start
         elif 3 * num_embeddings // 16 <= 4 * num_embeddings // world_size:
@@ -120,15 +133,19 @@ class RowLayout:
 
     # ------------------------------------------------------------------ maps
 
+    @property
+    def owner_map(self) -> Dict[str, Any]:
+        """The owner-map keywords of :mod:`sparsecomm.ops` for this layout (``range_size``, ``owner``)."""
+        return {"range_size": self.range_size, "owner": self.owner}
+
     def owners(self, ids: torch.Tensor) -> torch.Tensor:
         """Owner rank of each id (int64), under this layout's scheme and world size."""
-        return ops.row_owners(ids.contiguous(), self.world_size, self.scheme, self.num_embeddings,
-                              range_size=self.range_size)
+        return ops.row_owners(ids.contiguous(), self.world_size, self.scheme, self.num_embeddings, **self.owner_map)
 
     def partition(self, ids: torch.Tensor) -> ops.Partition:
         """Group ids by owner (see :func:`sparsecomm.ops.partition_rows`)."""
         return ops.partition_rows(ids.contiguous(), None, self.world_size, self.scheme, self.num_embeddings,
-                                  range_size=self.range_size)
+                                  **self.owner_map)
 
     def slots(self, ids: torch.Tensor) -> torch.Tensor:
         """Local slots (int64, on ``ids``' device) of ids this rank owns; the ids must be owned here.
@@ -188,8 +205,9 @@ class RowLayout:
     def describe(self) -> Dict[str, Any]:
         """A plain dict of the layout (saved with shards; compared on load)."""
         return {"num_embeddings": self.num_embeddings, "world_size": self.world_size, "rank": self.rank,
-                "scheme": self.scheme, "range_size": self.range_size, "num_local": self.num_local}
+                "scheme": self.scheme, "owner": self.owner, "range_size": self.range_size, "num_local": self.num_local}
 
     def __repr__(self) -> str:
+        owner = f", owner={self.owner}" if self.owner is not None else ""
         return (f"RowLayout(num_embeddings={self.num_embeddings}, world_size={self.world_size}, rank={self.rank}, "
-                f"scheme={self.scheme!r}, num_local={self.num_local})")
+                f"scheme={self.scheme!r}{owner}, num_local={self.num_local})")

@@ -163,8 +163,8 @@ def pooled_request(t: LookupTable, info: TableRound, lk: Lookup, me: int, n: int
     # One pass (ops.pooled_request): occurrences grouped by owner, bag order kept inside an owner; per
     # owner its distinct ids (sorted), each occurrence's position among them, and its partial bags' lengths.
     layout = t.layout
-    plan = ops.pooled_request(flat, bag_of, n, layout.scheme, t.num_embeddings, layout.range_size,
-                              num_bags=bags.num_bags)
+    plan = ops.pooled_request(flat, bag_of, n, layout.scheme, t.num_embeddings, num_bags=bags.num_bags,
+                              **layout.owner_map)
     occ_counts = plan.occ_counts.tolist()
     counts = plan.unique_counts.cpu()
     info.unique = plan.unique

@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from sparsecomm import ops
 from sparsecomm.collectives.sharded_exchange import allgather_table_rows, sharded_group
-from sparsecomm.collectives.objects import broadcast_int, world
+from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.collectives.sharded_wire import InputStatus
 from sparsecomm.sharded import compiled, dcp
 from sparsecomm.sharded.hot import HotRowConfig, HotRows
@@ -78,9 +78,10 @@ class ShardedTable(nn.Module):
     owner_pooling = "never"
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
-                 scheme: str = "hash", group=None, grad_reduction: str = "mean", seed: Optional[int] = None,
-                 dtype: Optional[torch.dtype] = None, device=None, hot_rows: Optional[HotRowConfig] = None,
-                 _weight: Optional[torch.Tensor] = None, _freeze: bool = False) -> None:
+                 scheme: str = "hash", owner: Optional[int] = None, group=None, grad_reduction: str = "mean",
+                 seed: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None,
+                 hot_rows: Optional[HotRowConfig] = None, _weight: Optional[torch.Tensor] = None,
+                 _freeze: bool = False) -> None:
         super().__init__()
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
@@ -108,14 +109,14 @@ class ShardedTable(nn.Module):
         self._group = sharded_group(group)
         rank, size = world(group)
         device = torch.device(device) if device is not None else torch.device("cpu")
-        self.layout = RowLayout(num_embeddings, size, rank, self.scheme, device)
-        self.stats = SparseSyncStats(world_size=size)
-        # Alone in an eager set until grouped (sparsecomm.sharded.model.group_tables).
-        self._set = TableSet([self], lazy=False, stats=self.stats)
         if seed is None:
             # Every rank draws (keeping their RNG streams in step); rank 0's draw wins.
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.seed = broadcast_int(seed, self._group)
+        self.layout, self.seed = self._agree_layout(num_embeddings, rank, size, owner, device, seed)
+        self.owner = owner
+        self.stats = SparseSyncStats(world_size=size)
+        # Alone in an eager set until grouped (sparsecomm.sharded.model.group_tables).
+        self._set = TableSet([self], lazy=False, stats=self.stats)
         self._optimizer: Optional[weakref.ref] = None
         self.local_weight = ops.empty_rows((self.layout.num_local, embedding_dim), dtype, device)   # huge pages
         # The table's name in state dicts and optimizers (see the module docstring); never holds rows.
@@ -135,6 +136,29 @@ class ShardedTable(nn.Module):
         # and this empty tensor, which requires grad, gives the op its place in autograd.
         compiled.register(self)
         self.compile_anchor = torch.zeros(0, dtype=dtype, device=device, requires_grad=True)
+
+    def _agree_layout(self, num_embeddings: int, rank: int, size: int, owner: Optional[int], device: torch.device,
+                      seed: int) -> Tuple[RowLayout, int]:
+        """This rank's layout and rank 0's seed, once every rank has checked the same scheme and owner (collective).
+
+        Raises:
+            ValueError: on every rank, when some rank's scheme or owner is invalid or differs from rank 0's.
+        """
+        layout, problem = None, None
+        try:
+            layout = RowLayout(num_embeddings, size, rank, self.scheme, device, owner)
+        except ValueError as exc:  # told to every rank below: none is left waiting
+            problem = str(exc)
+        gathered = all_gather_objects((seed, self.scheme, owner, problem), self._group)
+        who = type(self).__name__
+        for r, (_, scheme, their_owner, their_problem) in enumerate(gathered):
+            if their_problem:
+                raise ValueError(f"{who}: rank {r}: {their_problem}" if size > 1 else f"{who}: {their_problem}")
+            if (scheme, their_owner) != gathered[0][1:3]:
+                raise ValueError(f"{who}: rank {r} asks for scheme={scheme!r}, owner={their_owner!r} but rank 0 for "
+                                 f"scheme={gathered[0][1]!r}, owner={gathered[0][2]!r}: every rank must build the "
+                                 f"same table")
+        return layout, int(gathered[0][0])
 
     # ------------------------------------------------------------- contents
 
@@ -363,7 +387,7 @@ class ShardedTable(nn.Module):
             got = state.get("format") if isinstance(state, dict) else type(state).__name__
             return f"{type(self).__name__}: not a sharded-table state (format {got!r})"
         mine = self._layout_state()
-        for key in ("num_embeddings", "embedding_dim", "world_size", "rank", "scheme", "num_local"):
+        for key in ("num_embeddings", "embedding_dim", "world_size", "rank", "scheme", "owner", "num_local"):
             if state.get(key) != mine[key]:
                 return (f"{type(self).__name__}: the state holds rank {state.get('rank')} of "
                         f"{state.get('world_size')} of a {state.get('num_embeddings')} x {state.get('embedding_dim')} "
@@ -419,7 +443,8 @@ class ShardedTable(nn.Module):
             self.local_weight.copy_(weight)
 
     def extra_repr(self) -> str:
-        s = (f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme!r}, "
+        owner = f", owner={self.owner}" if self.owner is not None else ""
+        s = (f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme!r}{owner}, "
              f"rank={self.layout.rank}/{self.layout.world_size}, local_rows={self.layout.num_local}")
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
