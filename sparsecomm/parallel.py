@@ -45,6 +45,10 @@ def _check_plan(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: int
         if (m.num_embeddings, m.embedding_dim) != (t.num_embeddings, t.embedding_dim):
             raise ValueError(f"sparsecomm.parallelize: table {name!r} is {m.num_embeddings} x {m.embedding_dim} but "
                              f"the plan has {t.num_embeddings} x {t.embedding_dim}")
+        if t.scheme == "table" and not (isinstance(t.owner, int) and 0 <= t.owner < n):
+            raise ValueError(f"sparsecomm.parallelize: table {name!r} is planned whole on rank {t.owner!r}, but the "
+                             f"group has {n} ranks: place it again (plan.override({name!r}, 'shard', 'table', "
+                             f"owner=...) or another scheme)")
         if t.blocker:
             raise ValueError(f"sparsecomm.parallelize: table {name!r} cannot be sharded: {t.blocker}; replicate it "
                              f"(plan.override({name!r}, 'replicate'))")
@@ -54,8 +58,8 @@ def _check_plan(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: int
                              f"replicate it (plan.override({name!r}, 'replicate')) or make it sparse=True")
 
 
-def _sharded_twin(m: nn.Module, weight: torch.Tensor, scheme: str, group) -> nn.Module:
-    common = dict(scheme=scheme, group=group, dtype=weight.dtype, device=weight.device, _weight=weight,
+def _sharded_twin(m: nn.Module, weight: torch.Tensor, scheme: str, owner: Optional[int], group) -> nn.Module:
+    common = dict(scheme=scheme, owner=owner, group=group, dtype=weight.dtype, device=weight.device, _weight=weight,
                   _freeze=not m.weight.requires_grad)
     if isinstance(m, nn.EmbeddingBag):
         return ShardedEmbeddingBag(m.num_embeddings, m.embedding_dim, m.mode,
@@ -101,7 +105,7 @@ def _agree_checks(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: i
     except ValueError as exc:
         error = str(exc)
     # Every rank must hold the same plan: one rank refusing means all refuse.
-    verdicts = all_gather_objects((error, [(t, p.tables[t].scheme) for t in p.sharded()], wrapper), group)
+    verdicts = all_gather_objects((error, [(t, p.tables[t].where) for t in p.sharded()], wrapper), group)
     for r, (err, placed, theirs) in enumerate(verdicts):
         if err:
             raise ValueError(err if r == world(group)[0] else f"rank {r}: {err}")
@@ -124,7 +128,7 @@ def _shard_tables(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: i
         if n > 1:
             weight = weight.clone()
             broadcast_(weight, src, process_group)
-        new = _sharded_twin(m, weight, p.tables[name].scheme, process_group)
+        new = _sharded_twin(m, weight, p.tables[name].scheme, p.tables[name].owner, process_group)
         _replace(model, name, new)
         tables.append(new)
     if tables:

@@ -1,4 +1,4 @@
-"""Where each embedding table of a model lives: replicated under DDP, or row-sharded on its owners.
+"""Where each embedding table of a model lives: replicated under DDP, row-sharded, or whole on one rank.
 
 :func:`plan` decides one :class:`TablePlan` per ``nn.Embedding`` /
 ``nn.EmbeddingBag`` of a single-process model, with its reason in numbers
@@ -8,8 +8,10 @@
   synchronizes its gradient (fused with every other replicated table and the
   small dense buckets: no collective of its own).
 - ``shard``: a :class:`~sparsecomm.sharded.ShardedEmbedding(Bag)` holds ~V/N
-  rows per rank and updates them on their owner; every sharded table of the
-  model shares one lookup round per step (4 all-to-alls in all).
+  rows per rank (scheme ``"hash"`` or ``"range"``) or the whole table on one
+  rank (scheme ``"table"``, its ``owner``: table-wise) and updates them on
+  their owner; every sharded table of the model shares one lookup round per
+  step (4 all-to-alls in all).
 
 The rule, in order (the first that applies):
 
@@ -25,6 +27,12 @@ The rule, in order (the first that applies):
    rows) are sharded together when their summed saving beats the price of
    the lookup round's own collectives (3 all-to-alls a step, priced with the
    measured latency of one in bytes); without one: shard (large tables).
+
+Then the sharded bag tables are placed table-wise (:func:`place_tables`)
+when that moves fewer bytes through the busiest rank than row-sharding them:
+an owner pools whole bags, so a rank receives one row per bag from one owner
+instead of a partial bag from each of the N owners, and the tables spread
+over the ranks (largest first, on the least loaded rank that has the memory).
 
 A sample batch is measured with one collective: every rank's distinct ids per
 table go to every rank, which computes the same union and skew, so every rank
@@ -53,6 +61,8 @@ from sparsecomm.collectives.probe import measure_latency_bytes
 from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.collectives.transport import wire_index_dtype
 from sparsecomm.ownership import scheme_of
+from sparsecomm.sample_batch import sample_ids, sample_problem
+from sparsecomm.table_wise import place_tables, pools_at_owner
 
 __all__ = ["Plan", "TablePlan", "plan", "refuse_wrapped", "PLACEMENTS", "PLAN_FORMAT"]
 
@@ -78,12 +88,15 @@ class TablePlan:
     embedding_dim: int
     dtype: str
     placement: str = "replicate"     # "replicate" or "shard"
-    scheme: str = "hash"             # row ownership when sharded
+    scheme: str = "hash"             # row ownership when sharded ("hash", "range"; "table": all on ``owner``)
+    owner: Optional[int] = None      # the rank holding the whole table under scheme "table"
     reason: str = ""
     memory_replicated: int = 0       # rows + optimizer state, one full replica
     memory_sharded: int = 0          # this rank's ~V/N rows + state + ownership map
     bytes_replicated: Optional[float] = None   # the hook's cheaper path, for the sample batch
     bytes_sharded: Optional[float] = None      # ids + rows + gradients of the sample batch
+    bags: Optional[float] = None                # bags a rank looks up per step (bag tables, in the sample)
+    bag_length: Optional[float] = None          # ids per bag (bag tables, in the sample)
     distinct: Optional[Tuple[int, ...]] = None  # distinct ids per rank in the sample batch
     union: Optional[int] = None
     overridden: bool = False
@@ -91,7 +104,23 @@ class TablePlan:
 
     @property
     def memory(self) -> int:
-        return self.memory_sharded if self.placement == "shard" else self.memory_replicated
+        """Bytes on the rank holding the most of it (a table-wise table's owner holds a whole replica)."""
+        if self.placement != "shard":
+            return self.memory_replicated
+        return self.memory_replicated if self.scheme == "table" else self.memory_sharded
+
+    def memory_on(self, rank: int) -> int:
+        """Bytes of the table and its optimizer state on ``rank``."""
+        if self.placement == "shard" and self.scheme == "table":
+            return self.memory_replicated if rank == self.owner else 0
+        return self.memory
+
+    @property
+    def where(self) -> str:
+        """The placement in a few words: ``replicate``, ``shard (hash)``, ``shard (table: rank 1)``."""
+        if self.placement != "shard":
+            return self.placement
+        return f"shard (table: rank {self.owner})" if self.scheme == "table" else f"shard ({self.scheme})"
 
     @property
     def skew(self) -> Optional[float]:
@@ -124,13 +153,20 @@ class Plan:
         """Names of the tables the plan shards, in model order."""
         return [n for n, t in self.tables.items() if t.placement == "shard"]
 
-    def override(self, name: str, placement: str, scheme: Optional[str] = None) -> "Plan":
+    def override(self, name: str, placement: str, scheme: Optional[str] = None, owner: Optional[int] = None
+                 ) -> "Plan":
         """Place table ``name`` by hand; returns the plan.
+
+        ``plan.override("t", "shard", "table", owner=1)`` puts the whole table
+        on rank 1 (table-wise); ``"hash"`` / ``"range"`` shard its rows;
+        without a scheme the table keeps its scheme (and owner).
 
         Raises:
             KeyError: no such table.
-            ValueError: an unknown placement or scheme, or a table that cannot
-                be sharded (the reason names the module option).
+            ValueError: an unknown placement or scheme, a table that cannot
+                be sharded (the reason names the module option), the table
+                scheme without an owner in ``[0, world_size)``, or an owner
+                with another scheme.
         """
         t = self[name]
         if placement not in PLACEMENTS:
@@ -139,8 +175,18 @@ class Plan:
             scheme = scheme_of(scheme).value
         if placement == "shard" and t.blocker:
             raise ValueError(f"table {name!r} cannot be sharded: {t.blocker}")
+        if scheme is None:
+            scheme = t.scheme
+            owner = t.owner if owner is None and scheme == "table" and placement == "shard" else owner
+        if placement == "shard" and scheme == "table":
+            if not isinstance(owner, int) or isinstance(owner, bool) or not 0 <= owner < self.world_size:
+                raise ValueError(f"table {name!r}: scheme 'table' needs owner, the rank that holds it, in "
+                                 f"[0, {self.world_size}); got {owner!r}")
+        elif owner is not None:
+            raise ValueError(f"table {name!r}: owner is for scheme 'table' (placement 'shard'); got owner={owner!r} "
+                             f"with placement {placement!r}, scheme {scheme!r}")
         t.placement, t.overridden = placement, True
-        t.scheme = scheme or t.scheme
+        t.scheme, t.owner = scheme, owner if scheme == "table" else None
         t.reason = "set by plan.override"
         return self
 
@@ -170,8 +216,12 @@ class Plan:
         return former
 
     def memory_per_rank(self) -> int:
-        """Bytes of tables and their optimizer state on each rank under this plan."""
-        return sum(t.memory for t in self.tables.values())
+        """Bytes of tables and their optimizer state on the rank holding the most under this plan."""
+        return max(self.memory_on(r) for r in range(max(1, self.world_size)))
+
+    def memory_on(self, rank: int) -> int:
+        """Bytes of tables and their optimizer state on ``rank`` under this plan."""
+        return sum(t.memory_on(rank) for t in self.tables.values())
 
     def to_dict(self) -> Dict[str, Any]:
         return {"format": PLAN_FORMAT, "world_size": self.world_size, "optimizer": self.optimizer,
@@ -208,7 +258,7 @@ class Plan:
         head = ("table", "kind", "rows x dim", "placement", "MiB/rank", "MB repl", "MB shard", "ids/rank", "union", "")
         rows, notes = [head], []
         for i, (n, t) in enumerate(self.tables.items(), 1):
-            place = t.placement + (f" ({t.scheme})" if t.placement == "shard" else "")
+            place = t.where
             distinct = "-" if t.distinct is None else f"{sum(t.distinct) / max(1, len(t.distinct)):.0f}"
             rows.append((_short(n, 24), "bag" if t.kind == "EmbeddingBag" else "emb",
                          f"{t.num_embeddings} x {t.embedding_dim}", place, _mib(t.memory), _mb(t.bytes_replicated),
@@ -305,36 +355,6 @@ def _describe(name: str, m: nn.Module, n: int, optimizer: str) -> TablePlan:
     return t
 
 
-def _sample_ids(model: nn.Module, modules: Sequence[Tuple[str, nn.Module]], sample_batch: Any
-                ) -> Dict[str, torch.Tensor]:
-    """Distinct ids each table sees in one forward of ``sample_batch`` on this rank (no gradient)."""
-    seen: Dict[str, List[torch.Tensor]] = {n: [] for n, _ in modules}
-    handles = []
-    for name, m in modules:
-        def grab(module, args, name=name):
-            seen[name].append(args[0].detach().reshape(-1).to("cpu", torch.int64))
-        handles.append(m.register_forward_pre_hook(grab))
-    try:
-        with torch.no_grad():
-            if callable(sample_batch) and not isinstance(sample_batch, (torch.Tensor, nn.Module)):
-                sample_batch(model)
-            else:
-                model(sample_batch)
-    finally:
-        for h in handles:
-            h.remove()
-    return {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
-
-
-def _sample_problem(error: Exception, sample_batch: Any) -> str:
-    """What went wrong running the model on a sample batch, and how a sample batch is passed."""
-    how = ("a sample batch is passed to the model as one argument, model(sample_batch); for a forward that takes "
-           "several arguments, pass a function that calls the model: sample_batch=lambda m: m(a, b)")
-    if callable(sample_batch) and not isinstance(sample_batch, (torch.Tensor, nn.Module)):
-        how = "sample_batch is a function: it was called as sample_batch(model)"
-    return f"the model could not run on sample_batch ({type(error).__name__}: {error}); {how}"
-
-
 def _predict(t: TablePlan, m: nn.Module, n: int, distinct: Sequence[int], union: int, optimizer: str) -> None:
     row = t.embedding_dim * m.weight.element_size()
     idb = torch.empty(0, dtype=wire_index_dtype(t.num_embeddings)).element_size()
@@ -385,9 +405,9 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
     sample, problem = None, None
     if sample_batch is not None and modules:
         try:
-            sample = _sample_ids(model, modules, sample_batch)
+            sample = sample_ids(model, modules, sample_batch)
         except Exception as e:  # told to every rank below: no rank is left waiting in the exchange
-            problem = _sample_problem(e, sample_batch)
+            problem = sample_problem(e, sample_batch)
     mine = [(t.name, t.kind, t.num_embeddings, t.embedding_dim, t.dtype, bool(t.blocker)) for t in tables.values()]
     gathered = all_gather_objects((mine, sample, problem), group)
     for r, (_, _, their_problem) in enumerate(gathered):
@@ -400,12 +420,18 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
                              f"{mine}: every rank must pass the same model")
     if sample is not None:
         for name, m in modules:
-            ids = [s[name] for _, s in gathered]
+            ids = [s.ids[name] for _, s in gathered]
             _predict(tables[name], m, n, [x.numel() for x in ids], int(torch.unique(torch.cat(ids)).numel()), opt)
+            if name in sample.bags:
+                counts = [s.bags[name] for _, s in gathered]
+                bags = sum(b for b, _ in counts)
+                tables[name].bags = bags / n
+                tables[name].bag_length = sum(k for _, k in counts) / bags if bags else 0.0
     if sample is not None and latency_bytes is None and group is not None:
         latency_bytes = measure_latency_bytes(group)   # the slowest rank's numbers: the same on every rank
     result = Plan(tables, n, opt, memory_budget, latency_bytes)
     _decide(result, small_table_bytes)
+    place_tables(result, {name: pools_at_owner(m) for name, m in modules})
     return result
 
 

@@ -1,11 +1,12 @@
 """``sparsecomm.replan``: move tables between placements during training, with their optimizer state, exactly.
 
 A model from :func:`sparsecomm.parallelize` holds each embedding table in one
-of three placements: replicated (an ``nn.Embedding(Bag)`` under DDP and the
-sparsecomm hook, its state in a torch optimizer) or row-sharded by ``"hash"``
-or ``"range"`` ownership (a ``ShardedEmbedding(Bag)``, its state row-aligned on
-the owners). :func:`replan` moves tables between them so that the steps after
-it are the steps the new placement would have taken from the start:
+of these placements: replicated (an ``nn.Embedding(Bag)`` under DDP and the
+sparsecomm hook, its state in a torch optimizer), row-sharded by ``"hash"``
+or ``"range"`` ownership, or whole on one rank (``"table"``, table-wise) (a
+``ShardedEmbedding(Bag)``, its state row-aligned on the owners).
+:func:`replan` moves tables between them so that the steps after it are the
+steps the new placement would have taken from the start:
 
 ====================  ==========================================================
 move                  what travels
@@ -13,8 +14,9 @@ move                  what travels
 replicate -> shard    nothing: each rank keeps its owned rows of the replica and
                       of its state (both are the same on every rank)
 shard -> replicate    one all-gather of each shard's rows with their state
-hash <-> range        one all-to-all: the rows and their state through the table
-                      in id order (:mod:`sparsecomm.sharded.dcp`) to the new owners
+between schemes      one all-to-all: the rows and their state through the table
+(hash, range, table)  in id order (:mod:`sparsecomm.sharded.dcp`) to the new owners
+                      (another owner of a table-wise table too)
 ====================  ==========================================================
 
 The state that moves, per rule: SGD none, Adagrad its sums and step,
@@ -55,13 +57,24 @@ REPLICATE = "replicate"
 _WHAT = "sparsecomm.replan"
 
 
-def _where(t: TablePlan) -> str:
-    """A table's placement in one word: ``"replicate"``, ``"hash"`` or ``"range"``."""
-    return t.scheme if t.placement == "shard" else REPLICATE
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """A table's placement: ``"replicate"`` or a scheme (``"hash"``, ``"range"``, ``"table"`` with its owner)."""
+
+    scheme: str
+    owner: Optional[int] = None
+
+    @property
+    def replicated(self) -> bool:
+        return self.scheme == REPLICATE
 
 
-def _current(m: nn.Module) -> str:
-    return m.scheme if isinstance(m, ShardedTable) else REPLICATE
+def _where(t: TablePlan) -> Where:
+    return Where(t.scheme, t.owner if t.scheme == "table" else None) if t.placement == "shard" else Where(REPLICATE)
+
+
+def _current(m: nn.Module) -> Where:
+    return Where(m.scheme, m.owner) if isinstance(m, ShardedTable) else Where(REPLICATE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +96,10 @@ class TableSpec:
                    m.padding_idx, getattr(m, "mode", "mean"), getattr(m, "include_last_offset", False),
                    getattr(m, "sparse", getattr(m, "replica_sparse", True)), getattr(m, "grad_reduction", "mean"))
 
-    def sharded(self, weight: torch.Tensor, scheme: str, group, seed: int) -> ShardedTable:
+    def sharded(self, weight: torch.Tensor, where: Where, group, seed: int) -> ShardedTable:
         """The sharded table holding this rank's rows of ``weight`` (a full table, the same on every rank)."""
-        common = dict(scheme=scheme, group=group, grad_reduction=self.grad_reduction, seed=seed,
-                      dtype=weight.dtype, device=weight.device, _weight=weight)
+        common = dict(scheme=where.scheme, owner=where.owner, group=group, grad_reduction=self.grad_reduction,
+                      seed=seed, dtype=weight.dtype, device=weight.device, _weight=weight)
         if self.bag:
             table: ShardedTable = ShardedEmbeddingBag(self.num_embeddings, self.embedding_dim, self.mode,
                                                       include_last_offset=self.include_last_offset,
@@ -171,7 +184,7 @@ def _table_names(inner: nn.Module) -> List[str]:
     return [n for n, m in inner.named_modules() if n in replicas or isinstance(m, ShardedTable)]
 
 
-def _check_optimizer(optimizer: Any, inner: nn.Module, moves: Sequence[Tuple[str, str, str]]) -> OptimizerSpec:
+def _check_optimizer(optimizer: Any, inner: nn.Module, moves: Sequence[Tuple[str, Where, Where]]) -> OptimizerSpec:
     if not isinstance(optimizer, ParallelOptimizer) or optimizer.spec is None:
         raise ValueError(f"the optimizer must be the ParallelOptimizer sparsecomm.parallelize returned, got "
                          f"{type(optimizer).__name__}")
@@ -184,7 +197,7 @@ def _check_optimizer(optimizer: Any, inner: nn.Module, moves: Sequence[Tuple[str
         if part != "dense" and len(opt.param_groups) != 1:
             raise ValueError(f"the optimizer's {part!r} part has {len(opt.param_groups)} param groups; a "
                              f"replan keeps one there")
-    if any(old != REPLICATE and new == REPLICATE for _, old, new in moves) and getattr(sharded, "rowwise", False):
+    if any(not old.replicated and new.replicated for _, old, new in moves) and getattr(sharded, "rowwise", False):
         raise ValueError("row-wise Adagrad keeps one sum per row, which torch's Adagrad on a replica cannot "
                          "continue from; keep those tables sharded")
     return optimizer.spec
@@ -197,7 +210,7 @@ def _check_group(model: nn.Module, group) -> None:
                              "sparsecomm.parallelize")
 
 
-def _plan_moves(model: nn.Module, optimizer: Any, plan: Any, group) -> List[Tuple[str, str, str]]:
+def _plan_moves(model: nn.Module, optimizer: Any, plan: Any, group) -> List[Tuple[str, Where, Where]]:
     """``(table, from, to)`` of every table that moves, after every local check (ValueError otherwise)."""
     inner = _unwrap(model)
     if not isinstance(plan, Plan):
@@ -205,6 +218,10 @@ def _plan_moves(model: nn.Module, optimizer: Any, plan: Any, group) -> List[Tupl
     if getattr(inner, "sparsecomm_plan", None) is None:
         raise ValueError("the model was not made by sparsecomm.parallelize (it has no sparsecomm_plan)")
     _check_group(model, group)
+    n = world(group)[1]
+    for name, t in plan.tables.items():
+        if t.placement == "shard" and t.scheme == "table" and not (isinstance(t.owner, int) and 0 <= t.owner < n):
+            raise ValueError(f"table {name!r} is planned whole on rank {t.owner!r}, but the group has {n} ranks")
     names = set(_table_names(inner))
     moves = [(n, _current(inner.get_submodule(n)), _where(t)) for n, t in plan.tables.items() if n in names]
     spec = _check_optimizer(optimizer, inner, moves)
@@ -226,8 +243,8 @@ def _group_of(optimizer: ParallelOptimizer, p: torch.Tensor) -> Tuple[str, Dict[
     raise ValueError("a table of the model is in none of the optimizer's param groups")
 
 
-def _target_part(spec: OptimizerSpec, m: nn.Module, new: str) -> str:
-    if new != REPLICATE:
+def _target_part(spec: OptimizerSpec, m: nn.Module, new: Where) -> str:
+    if not new.replicated:
         return "sharded"
     return spec.replica_part(TableSpec.of(m).sparse)
 
@@ -272,11 +289,11 @@ def _incoming(optimizer: ParallelOptimizer, leaving: torch.Tensor, item: Any, pa
     return Incoming(item, part, state, source, optimizer.parts[source_part].defaults)
 
 
-def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, scheme: str, group) -> Moved:
+def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, where: Where, group) -> Moved:
     """A replica to a sharded table: this rank's rows of its weight and state (no communication but the seed's)."""
     part, _ = _group_of(optimizer, m.weight)
     state = optimizer.parts[part].state.get(m.weight, {})
-    table = TableSpec.of(m).sharded(m.weight.detach(), scheme, group, seed=0)
+    table = TableSpec.of(m).sharded(m.weight.detach(), where, group, seed=0)
     owned = table.layout.owned_ids().to(m.weight.device)
     rows = {n: state[n][owned] for n in optimizer.spec.part_class("sharded").row_state_names if n in state}
     return Moved(name, table, _incoming(optimizer, m.weight, table, "sharded", {"step": _step_of(state), **rows}))
@@ -300,13 +317,13 @@ def _replicate(name: str, t: ShardedTable, optimizer: ParallelOptimizer) -> Move
     return Moved(name, module, _incoming(optimizer, t.weight, module.weight, part, torch_state))
 
 
-def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, scheme: str, group) -> Moved:
+def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, where: Where, group) -> Moved:
     """A sharded table under another scheme: rows and state through the id order to the new owners (one all-to-all)."""
     sharded = optimizer.sharded
     w = t.local_weight
     # A table of zeros without its memory: the new table's rows come from the old one's below.
     zeros = torch.zeros((1, t.embedding_dim), dtype=w.dtype, device=w.device).expand(t.num_embeddings, -1)
-    new = TableSpec.of(t).sharded(zeros, scheme, group, seed=t.seed)
+    new = TableSpec.of(t).sharded(zeros, where, group, seed=t.seed)
     state = sharded.state[w]
     names = sharded.row_state_names
     chunks = dcp.to_id_order(t.layout, [w.detach()] + [state[n] for n in names], t.group)
@@ -317,11 +334,11 @@ def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, scheme: s
     return Moved(name, new, _incoming(optimizer, t.weight, new, "sharded", moved_state))
 
 
-def _move(inner: nn.Module, optimizer: ParallelOptimizer, name: str, new: str, group) -> Moved:
+def _move(inner: nn.Module, optimizer: ParallelOptimizer, name: str, new: Where, group) -> Moved:
     m = inner.get_submodule(name)
     if not isinstance(m, ShardedTable):
         return _shard(name, m, optimizer, new, group)
-    if new == REPLICATE:
+    if new.replicated:
         return _replicate(name, m, optimizer)
     return _reshard(name, m, optimizer, new, group)
 
@@ -390,7 +407,7 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
 
     Between two steps (after ``step()`` and ``zero_grad()``), every rank calls
     it with the same plan. Tables go between ``"replicate"`` and ``"shard"``
-    under ``"hash"`` or ``"range"``, in any combination, with their optimizer
+    under ``"hash"``, ``"range"`` or ``"table"`` (whole on one owner), in any combination, with their optimizer
     state (SGD: none; Adagrad: the sums and step; Adam: the moments and step),
     so that training goes on exactly as if ``new_plan`` had been used from
     the start.
@@ -461,6 +478,6 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
         _replace(inner, m.name, m.module)
     optimizer.regroup(_wanted(inner, new_plan, optimizer.spec), [m.incoming for m in moved])
     _regroup(inner, old_sets, new_plan)
-    if any(REPLICATE in (old, new) for _, old, new in moves):
+    if any(old.replicated or new.replicated for _, old, new in moves):
         model = _wrap(model, inner, process_group, n, ddp_kwargs, hook_options)
     return model, optimizer

@@ -1,0 +1,120 @@
+"""Table-wise placement: which sharded bag tables go whole on one rank, and on which.
+
+An owner that holds a whole bag table pools whole bags, so a rank gets one
+row per bag from one owner instead of a partial bag from each of the N
+owners of a row-sharded table: with several tables spread over the ranks
+the busiest rank moves up to N times fewer bytes (TorchRec's table-wise
+sharding on CPU). :func:`place_tables` takes the planner's row-sharded bag
+tables and moves those for which that pays (docs/PARALLELIZE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+__all__ = ["place_tables", "pools_at_owner"]
+
+
+def pools_at_owner(m: nn.Module) -> bool:
+    """Whether an owner can pool this table's lookups (a sum or mean bag): what makes table-wise pay."""
+    return isinstance(m, nn.EmbeddingBag) and m.mode in ("sum", "mean")
+
+
+@dataclasses.dataclass
+class _BagLoad:
+    """A sharded bag table's traffic, per rank and direction per step, in bytes of pooled rows."""
+
+    name: str
+    pooled: float     # one row per bag a rank looks up: what a table-wise owner sends each other rank
+    spread: float     # the chance that a bag has an id on a given owner when row-sharded over N ranks
+
+
+def _bag_loads(p: Any, pooled_ok: Dict[str, bool]) -> List[_BagLoad]:
+    """The sharded tables that could go table-wise, largest traffic first.
+
+    With a sample batch, its bags per rank and ids per bag; without one, one
+    bag per table a step (one per sample, the usual recommendation model) of
+    many ids (every owner gets a part of every bag when row-sharded).
+    """
+    n = p.world_size
+    out = []
+    for t in p.tables.values():
+        if t.placement != "shard" or t.overridden or t.blocker or not pooled_ok.get(t.name):
+            continue
+        row = t.embedding_dim * torch.empty(0, dtype=getattr(torch, t.dtype)).element_size()
+        bags = t.bags if t.bags is not None else 1.0
+        length = t.bag_length if t.bag_length is not None else math.inf
+        spread = 1.0 if math.isinf(length) else 1.0 - (1.0 - 1.0 / n) ** max(1.0, length)
+        out.append(_BagLoad(t.name, bags * row, spread))
+    return sorted(out, key=lambda b: -b.pooled)
+
+
+def _busiest(n: int, owned: Sequence[float], rowwise: float) -> float:
+    """Bytes through the busiest rank and direction: what each rank sends as owner, or receives."""
+    total = sum(owned)
+    return max(max((n - 1) * (mine + rowwise), total - mine + (n - 1) * rowwise) for mine in owned)
+
+
+def place_tables(p: Any, pooled_ok: Dict[str, bool]) -> None:
+    """Put sharded bag tables whole on one rank each (scheme ``"table"``) where that unloads the busiest rank.
+
+    Row-sharded, a bag table costs every rank ``(N - 1) q b`` bytes a step
+    each way (``b``: a rank's bags in pooled rows, ``q``: the chance a bag
+    has an id on a given owner); table-wise, its owner sends ``(N - 1) b``
+    and every other rank receives ``b``. Tables are taken largest first and
+    each goes to the rank that leaves the busiest rank least loaded and has
+    the memory (``memory_budget``: the owner holds the whole table); a move
+    that leaves the busiest rank as loaded is taken too, so that the next
+    table can unload it. The assignment is kept only if the busiest rank
+    ends up moving fewer bytes than with every table row-sharded. What this
+    leaves out: the owner's optimizer and pooling work on every rank's
+    lookups of its tables.
+
+    Args:
+        p: the :class:`~sparsecomm.planner.Plan`, changed in place (its tables' scheme, owner, reason).
+        pooled_ok: per table, whether an owner can pool its lookups (:func:`pools_at_owner`).
+    """
+    n = p.world_size
+    if n < 2:
+        return
+    loads = _bag_loads(p, pooled_ok)
+    owned = [0.0] * n
+    rowwise = sum(b.spread * b.pooled for b in loads)
+    start = _busiest(n, owned, rowwise)
+    chosen: Dict[str, Tuple[int, float]] = {}
+    for b in loads:
+        t = p.tables[b.name]
+        keep = _busiest(n, owned, rowwise)
+        best = None
+        for r in sorted(range(n), key=lambda r: (owned[r], p.memory_on(r), r)):
+            extra = sum(p.tables[c].memory_replicated - p.tables[c].memory_sharded
+                        for c, (o, _) in chosen.items() if o == r)
+            if p.memory_budget is not None and \
+                    p.memory_on(r) + extra - t.memory_sharded + t.memory_replicated > p.memory_budget:
+                continue   # its owner would hold the whole table instead of its share
+            trial = list(owned)
+            trial[r] += b.pooled
+            cost = _busiest(n, trial, rowwise - b.spread * b.pooled)
+            if best is None or cost < best[0]:
+                best = (cost, r)
+        # A move that keeps the busiest rank as loaded is taken too: the next table may then unload it.
+        if best is None or best[0] > keep:
+            continue
+        owned[best[1]] += b.pooled
+        rowwise -= b.spread * b.pooled
+        chosen[b.name] = (best[1], best[0])
+    end = _busiest(n, owned, rowwise)
+    if end >= start:
+        return   # no gain in bytes: row-sharded tables also share the owners' optimizer and pooling work
+    for name, (r, _) in chosen.items():
+        t = p.tables[name]
+        t.scheme, t.owner = "table", r
+        unit = (f"{end / 1e6:.3g} MB/step of pooled rows instead of {start / 1e6:.3g} MB" if t.bags is not None else
+                f"{end:.3g} B of pooled rows per bag of each table instead of {start:.3g} B")
+        t.reason += f"; whole on rank {r} (table-wise, {len(chosen)} tables over the ranks): the busiest rank moves " \
+                    f"{unit} row-sharded"
