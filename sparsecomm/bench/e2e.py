@@ -13,12 +13,13 @@ step by step, on the same batches (noise hits all alike):
   Adagrad only, since Adam's first step takes a sign that a rounded sum of
   nearly cancelling gradients may flip);
 - ``parallelize``: ``sparsecomm.parallelize(model, Optimizer, lr=...)`` as a
-  user calls it, no plan given (it plans from the model alone);
+  user calls it, no plan given (it plans from the model alone: large bag
+  tables table-wise, spread over the ranks, where that moves fewer bytes);
 - ``parallelize_plan``: ``parallelize`` with the plan made from a sample batch
   (``sparsecomm.plan(model, batch)``: large tables sharded with owner-side
   optimizers when that is predicted faster, the rest replicated under the hook);
-- ``sharded``: ``parallelize`` with every table of 4 MiB or more sharded
-  (``plan.override``), whatever the plan predicts;
+- ``sharded``: ``parallelize`` with every table of 4 MiB or more row-sharded
+  by hash (``plan.override``), whatever the plan predicts;
 - ``floor``: one process on the per-rank batch, no communication at all.
   For a method with sharded tables, the floor's step minus (N-1)/N of its
   optimizer time (the owners' share of the update).
@@ -29,9 +30,11 @@ direction at the link rate (emulated hosts only, ``--hosts``; ``MB_moved``
 those bytes, per rank): the dense part's ring all-reduce, 2 (N-1)/N of its
 bytes; per replicated table, plain DDP's gloo all-gather of every rank's
 rows with int64 ids, (N-1) k (d b + 8), or for the library the cheapest of
-its sync paths' busiest-link bytes (``collectives.methods``); per sharded
-table the pull and the gradient push, (N-1)/N 2 k r plus the ids. k is a
-rank's distinct ids of a table in a batch, U their union over ranks.
+its sync paths' busiest-link bytes (``collectives.methods``); per row-sharded
+table the pull and the gradient push, (N-1)/N 2 k r plus the ids; per
+table-wise table, on the busiest rank, (N-1) B r of pooled rows sent as its
+owner, else B r of gradient plus its ids (B bags a rank). k is a rank's
+distinct ids of a table in a batch, U their union over ranks.
 
 Across hosts (``--hosts H --rate R``, as root): H network namespaces on this
 machine, each host's link capped both ways at R with tbf, ``--ranks-per-host``
@@ -244,7 +247,7 @@ def _build(method: str, model: nn.Module, a: argparse.Namespace, rows: Sequence[
         if method == "sharded":
             for name, t in plan.tables.items():
                 if t.memory_replicated >= 4 << 20:
-                    plan.override(name, "shard")
+                    plan.override(name, "shard", "hash")
         model, opt = sparsecomm.parallelize(model, cls, plan=plan, **kw)
         return model, opt, str(plan)
     return model, reference_optimizer(model, optimizer), ""
@@ -262,12 +265,17 @@ def _bytes_moved(method: str, model: nn.Module, batches: Sequence[Dict[str, Any]
     inner = getattr(model, "module", model)
     dense = sum(p.numel() * p.element_size() for name, p in inner.named_parameters() if not name.startswith("tables"))
     total = 2 * (n - 1) / n * dense
-    sharded = {name for name, _ in sparsecomm.sharded.sharded_modules(inner)}
+    sharded = {name: t for name, t in sparsecomm.sharded.sharded_modules(inner)}
+    sent = [0.0] * n   # table-wise tables: what each rank sends in a step (the busiest one counts)
     for i, v in enumerate(rows):
         ids = [torch.unique(b["ids"][i]) for b in batches]
         k, union = sum(x.numel() for x in ids) / n, torch.unique(torch.cat(ids)).numel()
         row, idb = a.dim * 4, torch.empty(0, dtype=wire_index_dtype(v)).element_size()
-        if f"tables.{i}" in sharded:
+        table = sharded.get(f"tables.{i}")
+        if table is not None and table.scheme == "table":
+            for r in range(n):
+                sent[r] += (n - 1) * a.batch * row if r == table.owner else a.batch * (row + a.bag * idb)
+        elif table is not None:
             total += sharded_floor_bytes(n, k, row) + (n - 1) / n * k * idb
         elif method == "ddp":
             total += (n - 1) * k * (row + 8)
@@ -276,7 +284,7 @@ def _bytes_moved(method: str, model: nn.Module, batches: Sequence[Dict[str, Any]
             w = Workload(n, v, a.dim, 2 if half else 4, idb, k, union)
             total += min(p.link_bytes(w) for p in sync_methods.PATHS if not p.hierarchical and p.backend in
                          (None, "gloo") and (p.compresses or not half))
-    return total
+    return total + max(sent)
 
 
 def body(a: argparse.Namespace) -> List[Row]:
