@@ -44,79 +44,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.collectives.sharded_exchange import allgather_table_rows
 from sparsecomm.hooks import register
-from sparsecomm.planner import Plan, TablePlan, embedding_modules
+from sparsecomm.placement import REPLICATE, TableSpec, Where, current_placement, planned_placement
+from sparsecomm.planner import Plan, embedding_modules
 from sparsecomm.sharded import dcp
 from sparsecomm.sharded.combined import Incoming, OptimizerSpec, ParallelOptimizer, check_optimizer
-from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag
 from sparsecomm.sharded.model import flush, group_tables, sharded_modules
 from sparsecomm.sharded.table import ShardedTable
 
-__all__ = ["replan", "REPLICATE"]
+__all__ = ["replan", "REPLICATE", "ReplanBusy"]
 
-REPLICATE = "replicate"
 _WHAT = "sparsecomm.replan"
 
 
-@dataclasses.dataclass(frozen=True)
-class Where:
-    """A table's placement: ``"replicate"`` or a scheme (``"hash"``, ``"range"``, ``"table"`` with its owner)."""
-
-    scheme: str
-    owner: Optional[int] = None
-
-    @property
-    def replicated(self) -> bool:
-        return self.scheme == REPLICATE
-
-
-def _where(t: TablePlan) -> Where:
-    return Where(t.scheme, t.owner if t.scheme == "table" else None) if t.placement == "shard" else Where(REPLICATE)
-
-
-def _current(m: nn.Module) -> Where:
-    return Where(m.scheme, m.owner) if isinstance(m, ShardedTable) else Where(REPLICATE)
-
-
-@dataclasses.dataclass(frozen=True)
-class TableSpec:
-    """The module options that rebuild a table under another placement."""
-
-    bag: bool
-    num_embeddings: int
-    embedding_dim: int
-    padding_idx: Optional[int]
-    mode: str = "mean"
-    include_last_offset: bool = False
-    sparse: bool = True              # of the replica (a sharded table's gradient is sparse)
-    grad_reduction: str = "mean"     # of the sharded table (a replica's is DDP's mean)
-
-    @classmethod
-    def of(cls, m: nn.Module) -> "TableSpec":
-        return cls(isinstance(m, (nn.EmbeddingBag, ShardedEmbeddingBag)), m.num_embeddings, m.embedding_dim,
-                   m.padding_idx, getattr(m, "mode", "mean"), getattr(m, "include_last_offset", False),
-                   getattr(m, "sparse", getattr(m, "replica_sparse", True)), getattr(m, "grad_reduction", "mean"))
-
-    def sharded(self, weight: torch.Tensor, where: Where, group, seed: int) -> ShardedTable:
-        """The sharded table holding this rank's rows of ``weight`` (a full table, the same on every rank)."""
-        common = dict(scheme=where.scheme, owner=where.owner, group=group, grad_reduction=self.grad_reduction,
-                      seed=seed, dtype=weight.dtype, device=weight.device, _weight=weight)
-        if self.bag:
-            table: ShardedTable = ShardedEmbeddingBag(self.num_embeddings, self.embedding_dim, self.mode,
-                                                      include_last_offset=self.include_last_offset,
-                                                      padding_idx=self.padding_idx, **common)
-        else:
-            table = ShardedEmbedding(self.num_embeddings, self.embedding_dim, self.padding_idx, **common)
-        table.replica_sparse = self.sparse   # how it comes back, should it be replicated again
-        return table
-
-    def replica(self, weight: torch.Tensor) -> nn.Module:
-        """The ``nn.Embedding(Bag)`` whose weight is ``weight`` (the whole table)."""
-        if self.bag:
-            return nn.EmbeddingBag(self.num_embeddings, self.embedding_dim, mode=self.mode, sparse=self.sparse,
-                                   include_last_offset=self.include_last_offset, padding_idx=self.padding_idx,
-                                   _weight=weight)
-        return nn.Embedding(self.num_embeddings, self.embedding_dim, self.padding_idx, sparse=self.sparse,
-                            _weight=weight)
+class ReplanBusy(ValueError):
+    """Refused because the model is mid-step on some rank (gradients pending, lookups open, a round prefetched or
+    awaiting its backward): the same replan can go through after ``step()`` and ``zero_grad()``."""
 
 
 @dataclasses.dataclass
@@ -223,14 +165,14 @@ def _plan_moves(model: nn.Module, optimizer: Any, plan: Any, group) -> List[Tupl
         if t.placement == "shard" and t.scheme == "table" and not (isinstance(t.owner, int) and 0 <= t.owner < n):
             raise ValueError(f"table {name!r} is planned whole on rank {t.owner!r}, but the group has {n} ranks")
     names = set(_table_names(inner))
-    moves = [(n, _current(inner.get_submodule(n)), _where(t)) for n, t in plan.tables.items() if n in names]
+    moves = [(n, current_placement(inner.get_submodule(n)), planned_placement(t)) for n, t in plan.tables.items() if n in names]
     spec = _check_optimizer(optimizer, inner, moves)
     _check_tables(inner, plan, spec)
     moves = [m for m in moves if m[1] != m[2]]
     _check_hyperparameters(optimizer, inner, moves)
     busy = _busy(optimizer, inner)
     if busy:
-        raise ValueError(busy)
+        raise ReplanBusy(busy)
     return moves
 
 
@@ -374,26 +316,46 @@ def _regroup(inner: nn.Module, old_sets: Sequence[Any], plan: Plan) -> None:
 
 
 def _wrap(model: nn.Module, inner: nn.Module, process_group, n: int, ddp_kwargs, hook_options) -> nn.Module:
-    """DDP around the model's replicated parameters, with the sparsecomm hook (as ``parallelize`` wraps)."""
+    """DDP around the model's replicated parameters, with the sparsecomm hook (as ``parallelize`` wraps).
+
+    A DDP model is built again in place (``DistributedDataParallel.__init__``
+    on the same object: a new reducer over the new parameters), so whoever
+    holds the model keeps a valid one. The replicas are already equal on
+    every rank (the moves made them so), so DDP's initial broadcast is skipped.
+    """
     old_state = getattr(inner, "sparsecomm_state", None)
     if hook_options is None:
         hook_options = {"config": old_state.config} if old_state is not None else {}
+    if ddp_kwargs is None:
+        ddp_kwargs = getattr(inner, "sparsecomm_ddp_kwargs", None)
+    kwargs = {"init_sync": False, **(ddp_kwargs or {})}
     replicated = [p for p in inner.parameters() if p.requires_grad]
     inner.sparsecomm_state = None
+    unused = getattr(inner, "_sparsecomm_unused_hook", None)
+    if unused is not None:   # it lists the replicas of its time: the next hook installs one for the current ones
+        unused.remove()
+        inner._sparsecomm_unused_hook = None
     if n == 1 or not replicated:
         return inner
-    wrapped = DDP(inner, process_group=process_group, **(ddp_kwargs or {}))
+    if isinstance(model, DDP):
+        model._sparsecomm_state = None   # its hook goes with the reducer being replaced
+        DDP.__init__(model, inner, process_group=process_group, **kwargs)
+        wrapped = model
+    else:
+        wrapped = DDP(inner, process_group=process_group, **kwargs)
     inner.sparsecomm_state = register(wrapped, **hook_options)
     return wrapped
 
 
-def _agree(problem: Optional[str], plan: Any, group, rank: int) -> None:
-    where = [(n, _where(t)) for n, t in plan.tables.items()] if isinstance(plan, Plan) else None
-    verdicts = all_gather_objects((problem, where), group)
-    errors = [(r, err) for r, (err, _) in enumerate(verdicts) if err]
+def _agree(problem: Optional[str], busy: bool, plan: Any, group, rank: int) -> None:
+    where = [(n, planned_placement(t)) for n, t in plan.tables.items()] if isinstance(plan, Plan) else None
+    verdicts = all_gather_objects((problem, busy, where), group)
+    errors = [(r, err, mid) for r, (err, mid, _) in enumerate(verdicts) if err]
     if errors:
-        r, err = next(((r, e) for r, e in errors if r == rank), errors[0])
-        raise ValueError(f"{_WHAT}: {err}" if r == rank else f"{_WHAT}: rank {r}: {err}")
+        r, err, mid = next(((r, e, m) for r, e, m in errors if r == rank), errors[0])
+        kind = ReplanBusy if mid and all(m for _, _, m in errors) else ValueError
+        raise kind(f"{_WHAT}: {err}" if r == rank else f"{_WHAT}: rank {r}: {err}")
+    verdicts = [(err, theirs) for err, _, theirs in verdicts]
     for r, (_, theirs) in enumerate(verdicts):
         if theirs != verdicts[0][1]:
             raise ValueError(f"{_WHAT}: rank {r} places the tables {theirs} but rank 0 {verdicts[0][1]}: pass the "
@@ -420,9 +382,9 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
             read from the model's modules, not from the old plan. It becomes
             the model's ``sparsecomm_plan``.
         process_group: the group given to ``parallelize`` (default: the world).
-        ddp_kwargs: the ``DistributedDataParallel`` arguments given to
-            ``parallelize``, for the new wrapper when the set of replicated
-            parameters changes.
+        ddp_kwargs: the ``DistributedDataParallel`` arguments for the
+            wrapper when the set of replicated parameters changes (default:
+            those given to ``parallelize``).
         hook_options: the hook's options for that wrapper (default: the old
             hook's settings).
 
@@ -438,18 +400,22 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
         drives groups by position, so make it again after a replan that adds
         or removes a part (a part comes when the first table of its kind
         arrives, goes with the last).
-        The model is a new DDP wrapper when a table moved in or out of the
-        replicas (DDP's parameters are fixed when it is built), else the
-        same: use what is returned. Sharded tables that moved are new modules.
+        The model is the same object: a DDP model is built again in place
+        when a table moved in or out of the replicas (DDP's parameters are
+        fixed when it is built); only a model that had no DDP and now needs
+        one (or no longer does) comes back as another object, so use what is
+        returned. Sharded tables that moved are new modules.
 
     Raises:
-        ValueError: on every rank, before anything changes: gradients are
-            pending (between backward and ``step()``, as in gradient
-            accumulation), a prefetched round or a round awaiting its backward
-            is pending, the plan names tables the model does not have (or
-            misses some), a table cannot be sharded, the optimizer is not the
-            model's, a table would change its hyperparameters, or the ranks'
-            plans differ.
+        ReplanBusy: (a ``ValueError``) on every rank, before anything
+            changes: the model is mid-step on every rank that refused:
+            gradients are pending (between backward and ``step()``, as in
+            gradient accumulation), lookups are open, a prefetched round or a
+            round awaiting its backward is pending.
+        ValueError: on every rank, before anything changes: the plan names
+            tables the model does not have (or misses some), a table cannot be
+            sharded, the optimizer is not the model's, a table would change its
+            hyperparameters, or the ranks' plans differ.
 
     Example::
 
@@ -460,12 +426,12 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
     """
     rank, n = world(process_group)
     group = (process_group or dist.group.WORLD) if n > 1 else None
-    moves, problem = [], None
+    moves, problem, busy = [], None, False
     try:
         moves = _plan_moves(model, optimizer, new_plan, group)
     except ValueError as exc:
-        problem = str(exc)
-    _agree(problem, new_plan, group, rank)
+        problem, busy = str(exc), isinstance(exc, ReplanBusy)
+    _agree(problem, busy, new_plan, group, rank)
     inner = _unwrap(model)
     new_plan.world_size = n
     inner.sparsecomm_plan = new_plan
