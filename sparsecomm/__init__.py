@@ -13,6 +13,7 @@ from sparsecomm.hooks import HookConfig, SparseCommState, register, sparsecomm_h
 from sparsecomm.planner import Plan, TablePlan, plan
 from sparsecomm.parallel import parallelize
 from sparsecomm.replan import replan
+from sparsecomm.trial import TrialConfig
 from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded import ShardedAdagrad, ShardedAdam, ShardedEmbedding, ShardedEmbeddingBag, ShardedSGD
 from sparsecomm.types import PartitionScheme, SparseSyncStats, SyncMethod, Topology
@@ -22,7 +23,7 @@ __all__ = [
     "ops", "init_distributed", "shutdown", "topology",
     "sparse_allreduce", "sparse_allreduce_coalesced", "last_stats", "SparseSyncStats", "SyncMethod", "PartitionScheme", "Topology",
     "register", "sparsecomm_hook", "SparseCommState", "HookConfig",
-    "plan", "Plan", "TablePlan", "parallelize", "replan", "ParallelOptimizer",
+    "plan", "Plan", "TablePlan", "parallelize", "replan", "TrialConfig", "ParallelOptimizer",
     "sharded", "ShardedEmbedding", "ShardedEmbeddingBag", "ShardedSGD", "ShardedAdagrad", "ShardedAdam",
     "__version__",
 ]

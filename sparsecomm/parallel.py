@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from sparsecomm.sharded.combined import ParallelOptimizer, build_optimizer, chec
 from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag
 from sparsecomm.sharded.fsdp import DENSE_WRAPPERS, check_fsdp, fsdp_submodules, shard_dense
 from sparsecomm.sharded.model import group_tables
+from sparsecomm.trial import PlacementTrial, TrialConfig, can_try, candidates
 
 __all__ = ["parallelize"]
 
@@ -152,6 +153,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
                 process_group: Optional[dist.ProcessGroup] = None, sample_batch: Any = None,
                 memory_budget: Optional[int] = None, dense: Optional[str] = None,
                 ddp_kwargs: Optional[Dict[str, Any]] = None, hook_options: Optional[Dict[str, Any]] = None,
+                trial: Union[None, bool, TrialConfig] = None,
                 **optimizer_kwargs) -> Tuple[nn.Module, ParallelOptimizer]:
     """Make ``model`` data-parallel: the plan's tables sharded, the rest under DDP + sparsecomm or FSDP2; collective.
 
@@ -187,6 +189,14 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
             some submodule is already ``fully_shard``-ed.
         ddp_kwargs: extra arguments of ``DistributedDataParallel`` (DDP only).
         hook_options: options of ``sparsecomm.register`` (``SparseCommState``; DDP only).
+        trial: measure the placement on the first training steps
+            (:mod:`sparsecomm.trial`): start with every table replicated,
+            time the planner's pick and the row-sharded alternative on real
+            steps (tables and optimizer state move exactly), keep the fastest;
+            ``optimizer.trial`` reports it. None (default): when no plan is
+            given, on a DDP model with dense parameters and peers; False:
+            never; True or a :class:`~sparsecomm.trial.TrialConfig`: whenever
+            the model allows (a warning says why not).
         **optimizer_kwargs: the optimizer's options (``lr=...``).
 
     Returns:
@@ -216,9 +226,13 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
     group = (process_group or dist.group.WORLD) if n > 1 else None
     refuse_wrapped(model, group, "sparsecomm.parallelize")
     modules = dict(embedding_modules(model))
+    config = _trial_config(trial, plan is None, n, dense)
     if plan is None:
         plan = make_plan(model, sample_batch, process_group=process_group, memory_budget=memory_budget,
                          optimizer=optimizer_class)
+    tried = candidates(plan) if config is not None else []
+    if len(tried) > 1:
+        plan = tried[0].plan   # the trial starts replicated: moving a replica to a shard communicates nothing
     options = _Options(optimizer_class, optimizer_kwargs, dense, ddp_kwargs, hook_options)
     wrapper = _agree_checks(model, plan, modules, n, options, group)
     if options.former is not None and world(group)[0] == 0 and any(t.bytes_sharded is not None
@@ -235,6 +249,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
     tables = _shard_tables(model, plan, modules, n, src, process_group)
     model.sparsecomm_plan = plan
     model.sparsecomm_state = None
+    model.sparsecomm_ddp_kwargs = ddp_kwargs   # what sparsecomm.replan builds DDP with again
 
     sparse = [m.weight for name, m in modules.items() if name not in plan.sharded() and m.sparse
               and m.weight.requires_grad]
@@ -247,4 +262,27 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
     sparse_ids = {id(p) for p in sparse}
     dense_params = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse_ids]
     optimizer = build_optimizer(optimizer_class, optimizer_kwargs, dense_params, sparse, tables)
+    optimizer.trial = None
+    if config is not None:
+        why = can_try(wrapped, model) or (None if len(tried) > 1 else "every candidate placement is the same")
+        if why is None:
+            optimizer.trial = PlacementTrial(wrapped, tried, config, process_group)
+            optimizer.register_step_post_hook(optimizer.trial.after_step)
+        elif trial not in (None, False) and world(group)[0] == 0:
+            warnings.warn(f"sparsecomm.parallelize: no placement trial: {why}", stacklevel=2)
     return wrapped, optimizer
+
+
+def _trial_config(trial: Union[None, bool, TrialConfig], no_plan: bool, n: int, dense: Optional[str]
+                  ) -> Optional[TrialConfig]:
+    """The trial's schedule, or None when none runs (module ``sparsecomm.trial``; ``parallelize``'s ``trial``)."""
+    if trial is None:
+        trial = no_plan and n > 1 and dense != "fsdp"
+    if trial is False:
+        return None
+    if trial is True:
+        return TrialConfig()
+    if not isinstance(trial, TrialConfig):
+        raise TypeError(f"sparsecomm.parallelize: trial must be None, a bool or a sparsecomm.TrialConfig, "
+                        f"got {type(trial).__name__}")
+    return trial

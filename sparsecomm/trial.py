@@ -1,0 +1,295 @@
+"""Measured placement: try the candidate placements on real training steps and keep the fastest.
+
+``parallelize`` called without a plan picks placements from the model alone
+(:mod:`sparsecomm.planner`): a cost model whose terms (link, optimizer and
+pooling prices) are guesses until the job runs. A :class:`PlacementTrial`
+then measures instead. It is a post-step hook of the job's
+:class:`~sparsecomm.sharded.combined.ParallelOptimizer`: after
+``warmup`` steps it times ``measure`` steps of each candidate placement,
+moving the tables between candidates with :func:`sparsecomm.replan` (rows
+and optimizer state move exactly, so every trial step is a real training
+step of the same run: nothing is repeated or skipped), and finally keeps the
+candidate whose slowest rank had the lowest median step time.
+
+The candidates, in the order they are tried:
+
+1. ``replicated``: every table under DDP and the sparsecomm hook (skipped
+   when the replicas do not fit the plan's memory budget);
+2. ``planned``: the planner's pick (e.g. bag tables table-wise);
+3. ``row-sharded``: the tables the planner shards (or, when it shards none,
+   those of ``small_table_bytes`` or more) row-sharded by hash.
+
+Identical candidates are tried once. The job starts replicated (moving a
+replica to any sharded placement communicates nothing; the way back is an
+all-gather of the tables), so migrations cost at most two table transfers.
+A step's time is the interval between two ``step()`` calls (what the training
+loop sees, data loading included); the ``settle`` steps after a move are not
+counted (the first step after a move builds buffers, probes the link).
+
+Agreement: every rank counts the same ``step()`` calls, so every rank moves at
+the same step; the decision is made from the medians of every rank (one
+all-gather of objects), so every rank keeps the same placement.
+:attr:`PlacementTrial.log` holds every decision with its figures, and the
+chosen candidate's reason is added to the model's ``sparsecomm_plan``.
+
+Re-checks (``recheck_every`` > 0): that many steps after a decision the
+runner-up is measured again against the kept placement, which moves only
+when the other is faster by more than ``margin``.
+
+After a move, gradients are cleared (``set_to_none``): the hook runs after
+``step()``, where a training loop's next ``zero_grad()`` would clear them.
+A move that cannot happen yet (lookups open, a round prefetched or awaiting
+its backward: :class:`~sparsecomm.replan.ReplanBusy`) is retried at the next
+step; a candidate ``replan`` refuses is dropped, with the reason in the log.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+import weakref
+from typing import Any, Dict, List, Optional
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sparsecomm.collectives.objects import all_gather_objects, world
+from sparsecomm.planner import Plan
+from sparsecomm.replan import ReplanBusy, replan
+
+__all__ = ["TrialConfig", "Candidate", "PlacementTrial", "candidates"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrialConfig:
+    """How a placement trial runs (steps are ``step()`` calls of the optimizer).
+
+    Attributes:
+        warmup: steps before anything is measured (the first steps build buffers and probe the link).
+        settle: steps after each move that are not measured.
+        measure: measured steps per candidate (their median counts).
+        recheck_every: steps between re-checks after the decision (0: none).
+        margin: how much faster (as a fraction) another candidate must be to replace the kept one at a re-check.
+    """
+
+    warmup: int = 3
+    settle: int = 2
+    measure: int = 8
+    recheck_every: int = 0
+    margin: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("warmup", "settle", "measure", "recheck_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (1 if name == "measure" else 0):
+                raise ValueError(f"TrialConfig.{name} must be an int >= {1 if name == 'measure' else 0}, "
+                                 f"got {value!r}")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"TrialConfig.margin must be in [0, 1), got {self.margin!r}")
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One placement to try: its name, its plan, and the slowest rank's median step (ms) once measured."""
+
+    name: str
+    plan: Plan
+    ms: Optional[float] = None
+
+    def key(self) -> tuple:
+        return tuple((n, t.placement, t.scheme if t.placement == "shard" else None,
+                      t.owner if t.placement == "shard" else None) for n, t in self.plan.tables.items())
+
+
+def candidates(planned: Plan, small_table_bytes: int = 4 << 20) -> List[Candidate]:
+    """The placements a trial tries for ``planned`` (module docstring), identical ones once, in trial order."""
+    replicated = copy.deepcopy(planned)
+    for name in replicated.tables:
+        replicated.override(name, "replicate")
+    rows = copy.deepcopy(planned)
+    shard = [n for n, t in planned.tables.items() if t.placement == "shard"] or \
+        [n for n, t in planned.tables.items() if not t.blocker and t.memory_replicated >= small_table_bytes]
+    for name in shard:
+        rows.override(name, "shard", "hash")
+    out: List[Candidate] = []
+    budget = planned.memory_budget
+    for c in (Candidate("replicated", replicated), Candidate("planned", planned), Candidate("row-sharded", rows)):
+        if c.name == "replicated" and budget is not None and c.plan.memory_per_rank() > budget:
+            continue
+        if all(c.key() != o.key() for o in out):
+            out.append(c)
+    return out
+
+
+class PlacementTrial:
+    """Times the candidates on the job's steps and keeps the fastest (module docstring); the optimizer's post-step hook.
+
+    Args:
+        model: the DDP model ``parallelize`` returned (moved in place by each replan).
+        tried: the candidates, in trial order; the model must hold the first one's placement.
+        config: the schedule.
+        process_group: the group the model trains on.
+    """
+
+    def __init__(self, model: DDP, tried: List[Candidate], config: TrialConfig,
+                 process_group: Optional[dist.ProcessGroup]) -> None:
+        self._model = weakref.ref(model)
+        self.candidates = tried
+        self.config = config
+        self.process_group = process_group
+        self.group = (process_group or dist.group.WORLD) if world(process_group)[1] > 1 else None
+        self.log: List[str] = []
+        self.steps = 0
+        self.current = 0                  # the candidate the model holds
+        self.measuring: Optional[int] = 0  # the candidate being measured (None: decided)
+        self.kept: Optional[int] = None
+        self.moves = 0
+        self.move_seconds = 0.0
+        self._samples: Dict[int, List[float]] = {}
+        self._skip = config.warmup
+        self._last: Optional[float] = None
+        self._want: Optional[int] = None   # a move to make as soon as it can happen
+        self._next_check: Optional[int] = None
+        self._check_order: List[int] = []
+
+    @property
+    def done(self) -> bool:
+        """Whether the trial has decided (re-checks may still run)."""
+        return self.kept is not None
+
+    def _model_now(self) -> DDP:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("sparsecomm: the model of this placement trial no longer exists")
+        return model
+
+    def after_step(self, optimizer: Any, args: Any = (), kwargs: Any = None) -> None:
+        """The post-step hook: count, time, and move or decide when the schedule says so."""
+        now = time.perf_counter()
+        interval, self._last = (None if self._last is None else now - self._last), now
+        self.steps += 1
+        if self._want is not None:
+            self._move(optimizer, self._want)
+            return
+        if self.measuring is None:
+            if self._next_check is not None and self.steps >= self._next_check:
+                self._recheck(optimizer)
+            return
+        if self._skip:
+            self._skip -= 1
+            return
+        if interval is not None:
+            self._samples.setdefault(self.measuring, []).append(interval)
+        if len(self._samples.get(self.measuring, [])) < self.config.measure:
+            return
+        self._next(optimizer)
+
+    def _next(self, optimizer: Any) -> None:
+        """The measured candidate has its steps: measure the next one that can be placed, or decide."""
+        order = self._order()
+        for index in order[order.index(self.measuring) + 1:]:
+            self.measuring = index
+            if self._move(optimizer, index):
+                return
+        self._decide(optimizer)
+
+    def _order(self) -> List[int]:
+        if self.kept is None:
+            return list(range(len(self.candidates)))
+        return self._check_order
+
+    def _decide(self, optimizer: Any) -> None:
+        medians = {i: statistics.median(v) for i, v in self._samples.items()}
+        everyone = all_gather_objects(medians, self.group)
+        for i in medians:
+            self.candidates[i].ms = 1e3 * max(m[i] for m in everyone)   # the slowest rank's median
+        measured = [i for i in self._order() if self.candidates[i].ms is not None]
+        best = min(measured, key=lambda i: self.candidates[i].ms)
+        if self.kept is not None and best != self.kept:
+            kept_ms = self.candidates[self.kept].ms
+            if self.candidates[best].ms > (1 - self.config.margin) * kept_ms:
+                best = self.kept   # not faster by the margin: stay
+        figures = ", ".join(f"{self.candidates[i].name} {self.candidates[i].ms:.2f}" for i in measured)
+        what = "re-check" if self.kept is not None else "trial"
+        self.log.append(f"step {self.steps}: {what}: median ms/step of the slowest rank: {figures}; kept "
+                        f"{self.candidates[best].name} ({self.moves} moves so far, {self.move_seconds:.2f} s)")
+        self.kept, self.measuring = best, None
+        self._samples = {}
+        every = self.config.recheck_every
+        self._next_check = self.steps + every if every else None
+        note = f"measured: {self.candidates[best].name} placement kept ({figures} ms/step)"
+        plans = [self.candidates[best].plan]
+        if self.current == best:   # the model holds a copy of it
+            plans.append(getattr(self._model_now().module, "sparsecomm_plan", None))
+        for t in (t for p in plans if p is not None for t in p.tables.values()):
+            t.reason = t.reason.split("; measured:")[0] + "; " + note
+        if self.current != best:
+            self._move(optimizer, best)
+
+    def _recheck(self, optimizer: Any) -> None:
+        """Measure the runner-up against the kept placement (the kept one again, for the same conditions)."""
+        ranked = sorted((i for i, c in enumerate(self.candidates) if c.ms is not None and i != self.kept),
+                        key=lambda i: self.candidates[i].ms)
+        if not ranked:
+            self._next_check = None
+            return
+        self._check_order = [self.kept, ranked[0]]
+        self.measuring = self.kept
+        self._skip = self.config.settle
+
+    def _move(self, optimizer: Any, index: int) -> bool:
+        """Replan the model to candidate ``index``; False when the candidate cannot be placed (dropped, logged).
+
+        A move refused because a round is pending is retried at the next step.
+        Every refusal is agreed by ``replan`` (the same on every rank), so every
+        rank retries or drops alike.
+        """
+        self._skip = self.config.settle
+        if index == self.current:
+            self._want = None
+            return True
+        model = self._model_now()
+        optimizer.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        try:
+            moved, _ = replan(model, optimizer, copy.deepcopy(self.candidates[index].plan),
+                              process_group=self.process_group)
+        except ReplanBusy:
+            self._want = index   # agreed on every rank: every rank retries at the next step
+            return True
+        except ValueError as exc:
+            self._want = None
+            self.log.append(f"step {self.steps}: {self.candidates[index].name} cannot be placed: {exc}")
+            self._samples.pop(index, None)
+            return False
+        if moved is not model:
+            raise RuntimeError("sparsecomm: a placement trial's replan replaced the model object")
+        self.moves += 1
+        self.move_seconds += time.perf_counter() - start
+        self.current, self._want = index, None
+        self._last = time.perf_counter()   # the move is not part of the next step's interval
+        return True
+
+    def report(self) -> str:
+        """The candidates with their measured figures and every decision, in words."""
+        lines = [f"sparsecomm placement trial: {len(self.candidates)} candidates, step {self.steps}, "
+                 f"{'kept ' + self.candidates[self.kept].name if self.done else 'measuring'}"]
+        for i, c in enumerate(self.candidates):
+            ms = "not measured yet" if c.ms is None else f"{c.ms:.2f} ms/step (slowest rank's median)"
+            mark = " <- kept" if i == self.kept else (" <- now" if i == self.current and not self.done else "")
+            lines.append(f"  {c.name}: {ms}{mark}")
+        return "\n".join(lines + ["  " + entry for entry in self.log])
+
+
+def can_try(model: nn.Module, inner: nn.Module) -> Optional[str]:
+    """Why a trial cannot run on this model (None: it can): it moves the tables of a DDP model that has dense
+    parameters (so that DDP stays, rebuilt in place, whatever the placement)."""
+    if not isinstance(model, DDP):
+        return "the model is not under DDP (one rank, FSDP, or nothing replicated)"
+    tables = {id(m.weight) for _, m in inner.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    if not any(p.requires_grad and id(p) not in tables and p.numel() for p in inner.parameters()):
+        return "the model has no dense parameters to keep its DDP wrapper between placements"
+    return None

@@ -1,0 +1,203 @@
+"""The placement trial of ``parallelize`` (``sparsecomm.trial``) on real gloo ranks, against one process.
+
+Every trial step is a training step: the model must equal single-process
+training on the whole batch after every step, through every move; every
+rank keeps the same placement; the model object stays the one returned.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import sparsecomm
+from sparsecomm.sharded.table import ShardedTable
+from sparsecomm.trial import Candidate, TrialConfig, candidates
+
+from distributed import expect_value_error, run_cases, run_ranks, weight_diffs
+
+GLOBAL_BATCH = 6
+TOL = 1e-6
+FAST = TrialConfig(warmup=1, settle=1, measure=2)
+OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.02)),      # small enough that training converges: a diverging
+              "adagrad": (torch.optim.Adagrad, dict(lr=0.05, initial_accumulator_value=0.1)),  # run amplifies roundoff
+              "adam": (torch.optim.Adam, dict(lr=0.01))}
+
+
+class Model(nn.Module):
+    """Three bag tables of 4 MiB or more (the planner shards them, table-wise at 2-3 ranks) and an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.a = nn.EmbeddingBag(300_000, 4, mode="sum", sparse=True)
+        self.b = nn.EmbeddingBag(200_000, 4, mode="sum", sparse=True)
+        self.c = nn.EmbeddingBag(150_000, 4, mode="mean", sparse=True)
+        self.mlp = nn.Linear(12, 1)
+        self.double()
+
+    def forward(self, x):
+        return self.mlp(torch.cat([self.a(x), self.b(x % 200), self.c(x % 100)], 1)).squeeze(1)
+
+
+def batch(step, rank=0, world=1):
+    g = torch.Generator().manual_seed(70 + step)
+    x, y = torch.randint(0, 300, (GLOBAL_BATCH, 3), generator=g), torch.randn(GLOBAL_BATCH, generator=g,
+                                                                               dtype=torch.float64)
+    per = GLOBAL_BATCH // world
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+class Reference:
+    def __init__(self, name):
+        cls, kw = OPTIMIZERS[name]
+        self.model = Model()
+        m = self.model
+        if name == "adam":   # lazy on the sparse tables, as a sharded or replicated sparse table under Adam
+            self.opts = [torch.optim.Adam(m.mlp.parameters(), **kw),
+                         torch.optim.SparseAdam([m.a.weight, m.b.weight, m.c.weight], **kw)]
+        else:
+            self.opts = [cls(m.parameters(), **kw)]
+
+    def step(self, step):
+        for o in self.opts:
+            o.zero_grad()
+        x, y = batch(step)
+        ((self.model(x) - y) ** 2).mean().backward()
+        for o in self.opts:
+            o.step()
+
+
+def placement(model):
+    inner = getattr(model, "module", model)
+    return {n: ((m.scheme, m.owner) if isinstance(m, ShardedTable) else "replicate")
+            for n, m in inner.named_children() if n in "abc"}
+
+
+def step_of(model, opt, step, rank, world):
+    x, y = batch(step, rank, world)
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    opt.step()
+
+
+def assert_same(model, reference, what):
+    diffs = weight_diffs(model, reference)
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] < TOL, f"{what}: {worst} differs by {diffs[worst]}"
+
+
+def case_trial(rank, world, name):
+    """The default call: replicated first, then the planner's pick, then row-sharded; the fastest kept."""
+    cls, kw = OPTIMIZERS[name]
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=FAST, **kw)
+    first, trial, ref = model, opt.trial, Reference(name)
+    assert [c.name for c in trial.candidates] == ["replicated", "planned", "row-sharded"]
+    assert set(placement(model).values()) == {"replicate"}
+    seen = []
+    for step in range(12):
+        step_of(model, opt, step, rank, world)
+        ref.step(step)
+        assert_same(model, ref.model, f"{name}, world {world}, step {step}")
+        seen.append(tuple(sorted(placement(model).items())))
+    assert model is first and trial.done and trial.moves >= 2, trial.report()
+    kept = trial.candidates[trial.kept]
+    assert placement(model) == {n: ((t.scheme, t.owner) if t.placement == "shard" else "replicate")
+                                for n, t in kept.plan.tables.items()}
+    assert all(c.ms is not None and c.ms > 0 for c in trial.candidates)
+    assert len(set(seen)) >= 3   # every candidate held the tables for some steps
+    text = trial.report()
+    assert "kept " + kept.name in text and "median ms/step of the slowest rank" in text
+    assert "measured:" in model.module.sparsecomm_plan.tables["a"].reason
+    return kept.name, [c.ms for c in trial.candidates]
+
+
+def case_pending(rank, world):
+    """A move due while a lookup awaits its backward is made one step later; training stays exact."""
+    cls, kw = OPTIMIZERS["adagrad"]
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=0, settle=0, measure=1), **kw)
+    trial, ref = opt.trial, Reference("adagrad")
+    step_of(model, opt, 0, rank, world)   # no interval yet
+    ref.step(0)
+    step_of(model, opt, 1, rank, world)   # replicated measured: to the planned placement
+    ref.step(1)
+    assert trial.current == 1 and any(p != "replicate" for p in placement(model).values())
+    x, y = batch(2, rank, world)
+    opt.zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    inner = model.module
+    table = next(m for m in inner.children() if isinstance(m, ShardedTable))
+    pending = table(x)                    # a lookup whose backward has not run
+    opt.step()                            # the move to row-sharded is due: refused, retried next step
+    ref.step(2)
+    assert trial.current == 1 and trial._want == 2
+    del pending
+    gc.collect()
+    step_of(model, opt, 3, rank, world)
+    ref.step(3)
+    assert trial.current == 2, trial.report()
+    assert_same(model, ref.model, f"after the retried move, world {world}")
+    return True
+
+
+def case_off(rank, world):
+    """A plan given, or trial=False: no trial; a bad trial argument is refused."""
+    net = Model()
+    model, opt = sparsecomm.parallelize(net, torch.optim.SGD, plan=sparsecomm.plan(net), lr=0.1)
+    assert opt.trial is None
+    model, opt = sparsecomm.parallelize(Model(), torch.optim.SGD, trial=False, lr=0.1)
+    assert opt.trial is None
+    with pytest.raises(TypeError, match="trial must be"):
+        sparsecomm.parallelize(Model(), torch.optim.SGD, trial="yes", lr=0.1)
+    return True
+
+
+CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [("pending", case_pending, ()),
+                                                                    ("off", case_off, ())]
+
+
+def worker(rank, world):
+    return run_cases(rank, world, CASES)
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def spawned(request):
+    return request.param, run_ranks(request.param, worker, join_timeout_s=300)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_on_ranks(spawned, case):
+    world, out = spawned
+    results = [out[r][case] for r in range(world)]
+    assert all(results), f"world {world}, {case}"
+    if case.startswith("trial-"):
+        assert len({r[0] for r in results}) == 1, f"ranks kept different placements: {results}"
+        assert len({tuple(r[1]) for r in results}) == 1, "ranks decided from different figures"
+
+
+def test_one_rank_has_no_trial_and_says_why_when_asked():
+    model, opt = sparsecomm.parallelize(Model(), torch.optim.SGD, lr=0.1)
+    assert opt.trial is None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sparsecomm.parallelize(Model(), torch.optim.SGD, trial=True, lr=0.1)
+    assert any("no placement trial: the model is not under DDP" in str(w.message) for w in caught)
+
+
+def test_the_candidates_and_the_schedule_are_checked():
+    p = sparsecomm.plan(Model())
+    p.world_size = 2
+    p.override("a", "shard", "table", owner=1)
+    names = [c.name for c in candidates(p)]
+    assert names == ["replicated", "planned", "row-sharded"]
+    same = candidates(candidates(p)[2].plan)   # already row-sharded: the planned and row-sharded are one
+    assert [c.name for c in same] == ["replicated", "planned"]
+    p.memory_budget = 1
+    assert "replicated" not in [c.name for c in candidates(p)]
+    assert isinstance(candidates(p)[0], Candidate)
+    for bad, match in ((dict(measure=0), "measure"), (dict(warmup=-1), "warmup"), (dict(margin=1.0), "margin")):
+        expect_value_error(lambda: TrialConfig(**bad), match)
