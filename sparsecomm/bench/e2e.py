@@ -13,8 +13,14 @@ step by step, on the same batches (noise hits all alike):
   Adagrad only, since Adam's first step takes a sign that a rounded sum of
   nearly cancelling gradients may flip);
 - ``parallelize``: ``sparsecomm.parallelize(model, Optimizer, lr=...)`` as a
-  user calls it, no plan given (it plans from the model alone: large bag
-  tables table-wise, spread over the ranks, where that moves fewer bytes);
+  user calls it, no plan given: it plans from the model alone (large bag
+  tables table-wise, spread over the ranks, where that moves fewer bytes),
+  then its placement trial (``sparsecomm.trial``) times every table
+  replicated, that plan and the tables row-sharded on training steps and
+  keeps the fastest. Here the trial runs to its decision right after the
+  checked step, alone, on batches of its own; ``trial_s`` is its wall time,
+  ``trial_cost`` what it cost beyond the same steps at the kept placement's
+  speed, as a share of a 1,000-step run;
 - ``parallelize_plan``: ``parallelize`` with the plan made from a sample batch
   (``sparsecomm.plan(model, batch)``: large tables sharded with owner-side
   optimizers when that is predicted faster, the rest replicated under the hook);
@@ -100,6 +106,10 @@ LEGEND = {
     "hosts": "emulated hosts x ranks per host (blank: one host)",
     "rate": "each emulated host link's cap, both ways",
     "#wrong": "tensors off a float64 single-process step on the whole batch (non-zero exits 3)",
+    "kept": "the placement parallelize's trial kept (replicated, planned or row-sharded)",
+    "trial_s": "wall time of the placement trial (its steps included)",
+    "trial_steps": "steps the placement trial took",
+    "trial_cost": "the trial's time beyond as many steps at the kept placement's speed, per 1,000 steps at that speed",
 }
 
 
@@ -216,17 +226,35 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
                 got = full_weights(r["model"])
                 wrong[method] = sum(int(not torch.allclose(got[k].double(), v, rtol=a.tolerance, atol=a.tolerance))
                                     for k, v in expected.items())
+            if step == 0 and getattr(r["opt"], "trial", None) is not None:   # checked: now run it to its decision
+                r["trial"] = _finish_trial(r, a, rows, rank)
+                r["bytes"] = _bytes_moved(method, r["model"], batches, rows, a)
             if step >= a.warmup:
                 for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                     r["times"][phase].append(dt)
         if rank == 0 and step == a.warmup - 1:
             progress(f"e2e: world {n} {optimizer}: checked ({wrong}), timing {a.steps} steps")
     return dict(medians={m: {p: statistics.median(v) for p, v in r["times"].items()} for m, r in runs.items()},
+                trials={m: r["trial"] for m, r in runs.items() if "trial" in r},
                 memory={m: (e2e_torchrec.memory_bytes(r["model"], r["opt"]) if m == "torchrec_dmp" else
                             memory_bytes(r["model"], r["opt"])) for m, r in runs.items()}, wrong=wrong,
                 plan=plans["parallelize"], plans=plans, bytes={m: r["bytes"] for m, r in runs.items()},
                 sharded={m: m == "torchrec_dmp" or bool(sparsecomm.sharded.sharded_modules(
                     getattr(r["model"], "module", r["model"]))) for m, r in runs.items()})
+
+
+def _finish_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int], rank: int) -> Dict[str, Any]:
+    """Train this method alone until its placement trial has decided: its steps, wall time and report."""
+    opt, model, steps = r["opt"], r["model"], 0
+    start = time.perf_counter()
+    while not opt.trial.done and steps < 500:
+        b = make_batch(a, rows, 100_000 + steps, rank)
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, b).backward()
+        opt.step()
+        steps += 1
+    return dict(steps=steps, seconds=time.perf_counter() - start, report=opt.trial.report(),
+                kept=opt.trial.candidates[opt.trial.kept].name if opt.trial.done else "undecided")
 
 
 def _build(method: str, model: nn.Module, a: argparse.Namespace, rows: Sequence[int], optimizer: str):
@@ -299,6 +327,8 @@ def body(a: argparse.Namespace) -> List[Row]:
             continue
         if optimizer == a.optimizers.split(",")[0]:
             print(mine["plan"], flush=True)
+            for t in mine["trials"].values():
+                print(t["report"], flush=True)
             if "torchrec_dmp" in mine["plans"]:
                 print("# TorchRec's own plan:\n" + mine["plans"]["torchrec_dmp"], flush=True)
         med = {m: {p: max(e["medians"][m][p] for e in everyone) for p in PHASES} for m in _methods(optimizer) + ("floor",)}
@@ -318,12 +348,21 @@ def body(a: argparse.Namespace) -> List[Row]:
                 "link_floor_ms": 1e3 * (compute + moved / (parse_rate(link[2]) / 8)) if link else "",
                 "forward_ms": 1e3 * med[m]["forward"], "backward_ms": 1e3 * med[m]["backward"],
                 "optimizer_ms": 1e3 * med[m]["optimizer"],
-                "#wrong": max(e["wrong"][m] for e in everyone)}))
+                "#wrong": max(e["wrong"][m] for e in everyone), **_trial_columns(mine["trials"].get(m), step)}))
         if e2e_torchrec.missing(optimizer):
             out.append(Row({"world": n, **where, "optimizer": optimizer, "method": "torchrec_dmp",
                             "skipped": e2e_torchrec.missing(optimizer)}))
         progress(f"e2e: world {n} {optimizer} done")
     return out
+
+
+def _trial_columns(trial: Optional[Dict[str, Any]], step: float) -> Dict[str, Any]:
+    """A trial's columns: its wall time, the placement kept, and its cost beyond the same steps at the kept speed."""
+    if trial is None:
+        return {}
+    extra = trial["seconds"] - trial["steps"] * step
+    return {"trial_s": trial["seconds"], "trial_steps": trial["steps"], "kept": trial["kept"],
+            "trial_cost": f"{100 * extra / (1000 * step):.1f}%"}
 
 
 def run(argv: Optional[Sequence[str]] = None) -> int:
