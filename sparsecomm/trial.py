@@ -22,8 +22,9 @@ The candidates, in the order they are tried:
 Identical candidates are tried once. The job starts replicated (moving a
 replica to any sharded placement communicates nothing; the way back is an
 all-gather of the tables), so migrations cost at most two table transfers.
-A step's time is the interval between two ``step()`` calls (what the training
-loop sees, data loading included); the ``settle`` steps after a move are not
+A step's time runs from its first forward with gradients (a forward
+pre-hook on the model) to the end of its ``step()``: data loading, which is the same whatever the
+placement, stays out of it; the ``settle`` steps after a move are not
 counted (the first step after a move builds buffers, probes the link).
 
 Agreement: every rank counts the same ``step()`` calls, so every rank moves at
@@ -52,6 +53,7 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -137,6 +139,9 @@ class PlacementTrial:
     def __init__(self, model: DDP, tried: List[Candidate], config: TrialConfig,
                  process_group: Optional[dist.ProcessGroup]) -> None:
         self._model = weakref.ref(model)
+        # On the inner module: a DDP built again in place by a move loses its own module hooks.
+        self._started: Optional[float] = None
+        self._hook = model.module.register_forward_pre_hook(self._forward_starts)
         self.candidates = tried
         self.config = config
         self.process_group = process_group
@@ -150,7 +155,6 @@ class PlacementTrial:
         self.move_seconds = 0.0
         self._samples: Dict[int, List[float]] = {}
         self._skip = config.warmup
-        self._last: Optional[float] = None
         self._want: Optional[int] = None   # a move to make as soon as it can happen
         self._next_check: Optional[int] = None
         self._check_order: List[int] = []
@@ -166,10 +170,15 @@ class PlacementTrial:
             raise RuntimeError("sparsecomm: the model of this placement trial no longer exists")
         return model
 
+    def _forward_starts(self, module: nn.Module, args: Any) -> None:
+        if self._started is None and torch.is_grad_enabled():   # an evaluation under no_grad is not a step
+            self._started = time.perf_counter()
+
     def after_step(self, optimizer: Any, args: Any = (), kwargs: Any = None) -> None:
         """The post-step hook: count, time, and move or decide when the schedule says so."""
         now = time.perf_counter()
-        interval, self._last = (None if self._last is None else now - self._last), now
+        interval = None if self._started is None else now - self._started
+        self._started = None
         self.steps += 1
         if self._want is not None:
             self._move(optimizer, self._want)
@@ -270,7 +279,6 @@ class PlacementTrial:
         self.moves += 1
         self.move_seconds += time.perf_counter() - start
         self.current, self._want = index, None
-        self._last = time.perf_counter()   # the move is not part of the next step's interval
         return True
 
     def report(self) -> str:

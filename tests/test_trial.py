@@ -121,24 +121,21 @@ def case_pending(rank, world):
     cls, kw = OPTIMIZERS["adagrad"]
     model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=0, settle=0, measure=1), **kw)
     trial, ref = opt.trial, Reference("adagrad")
-    step_of(model, opt, 0, rank, world)   # no interval yet
+    step_of(model, opt, 0, rank, world)   # replicated measured: to the planned placement
     ref.step(0)
-    step_of(model, opt, 1, rank, world)   # replicated measured: to the planned placement
-    ref.step(1)
     assert trial.current == 1 and any(p != "replicate" for p in placement(model).values())
-    x, y = batch(2, rank, world)
+    x, y = batch(1, rank, world)
     opt.zero_grad()
     ((model(x) - y) ** 2).mean().backward()
-    inner = model.module
-    table = next(m for m in inner.children() if isinstance(m, ShardedTable))
-    pending = table(x)                    # a lookup whose backward has not run
+    table = next(m for m in model.module.children() if isinstance(m, ShardedTable))
+    pending = table(x)                    # a lookup whose round has not run
     opt.step()                            # the move to row-sharded is due: refused, retried next step
-    ref.step(2)
+    ref.step(1)
     assert trial.current == 1 and trial._want == 2
     del pending
     gc.collect()
-    step_of(model, opt, 3, rank, world)
-    ref.step(3)
+    step_of(model, opt, 2, rank, world)
+    ref.step(2)
     assert trial.current == 2, trial.report()
     assert_same(model, ref.model, f"after the retried move, world {world}")
     return True
