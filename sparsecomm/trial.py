@@ -33,9 +33,12 @@ all-gather of objects), so every rank keeps the same placement.
 :attr:`PlacementTrial.log` holds every decision with its figures, and the
 chosen candidate's reason is added to the model's ``sparsecomm_plan``.
 
-Re-checks (``recheck_every`` > 0): that many steps after a decision the
-runner-up is measured again against the kept placement, which moves only
-when the other is faster by more than ``margin``.
+Re-checks: ``recheck_every`` steps after a decision (when > 0), or as soon
+as the median of the last ``2 * measure`` steps drifts ``drift`` above the
+kept placement's measured median (when > 0), the kept placement and the
+runner-up are measured again; the runner-up replaces the kept one only when
+faster by more than ``margin`` (hysteresis: the noise of one measurement
+does not move tables back and forth).
 
 After a move, gradients are cleared (``set_to_none``): the hook runs after
 ``step()``, where a training loop's next ``zero_grad()`` would clear them.
@@ -74,6 +77,8 @@ class TrialConfig:
         settle: steps after each move that are not measured.
         measure: measured steps per candidate (their median counts).
         recheck_every: steps between re-checks after the decision (0: none).
+        drift: re-check when the kept placement's recent median step is this fraction above its measured one
+            (0: never).
         margin: how much faster (as a fraction) another candidate must be to replace the kept one at a re-check.
     """
 
@@ -81,6 +86,7 @@ class TrialConfig:
     settle: int = 2
     measure: int = 8
     recheck_every: int = 0
+    drift: float = 0.15
     margin: float = 0.1
 
     def __post_init__(self) -> None:
@@ -91,6 +97,8 @@ class TrialConfig:
                                  f"got {value!r}")
         if not 0 <= self.margin < 1:
             raise ValueError(f"TrialConfig.margin must be in [0, 1), got {self.margin!r}")
+        if not (isinstance(self.drift, (int, float)) and self.drift >= 0):
+            raise ValueError(f"TrialConfig.drift must be a fraction >= 0, got {self.drift!r}")
 
 
 @dataclasses.dataclass
@@ -158,6 +166,8 @@ class PlacementTrial:
         self._want: Optional[int] = None   # a move to make as soon as it can happen
         self._next_check: Optional[int] = None
         self._check_order: List[int] = []
+        self._recent: List[float] = []     # the kept placement's latest steps (drift)
+        self._since = 0                    # steps since the last decision
 
     @property
     def done(self) -> bool:
@@ -184,7 +194,7 @@ class PlacementTrial:
             self._move(optimizer, self._want)
             return
         if self.measuring is None:
-            if self._next_check is not None and self.steps >= self._next_check:
+            if self._drifted(interval) or (self._next_check is not None and self.steps >= self._next_check):
                 self._recheck(optimizer)
             return
         if self._skip:
@@ -226,7 +236,7 @@ class PlacementTrial:
         self.log.append(f"step {self.steps}: {what}: median ms/step of the slowest rank: {figures}; kept "
                         f"{self.candidates[best].name} ({self.moves} moves so far, {self.move_seconds:.2f} s)")
         self.kept, self.measuring = best, None
-        self._samples = {}
+        self._samples, self._recent, self._since = {}, [], 0
         every = self.config.recheck_every
         self._next_check = self.steps + every if every else None
         note = f"measured: {self.candidates[best].name} placement kept ({figures} ms/step)"
@@ -237,6 +247,29 @@ class PlacementTrial:
             t.reason = t.reason.split("; measured:")[0] + "; " + note
         if self.current != best:
             self._move(optimizer, best)
+
+    def _drifted(self, interval: Optional[float]) -> bool:
+        """Whether the kept placement's recent steps are ``drift`` slower than measured on some rank.
+
+        Asked of every rank at the end of every window of ``2 * measure`` steps
+        after the decision (one all-gather then): the same steps on every rank.
+        """
+        if not self.config.drift:
+            return False
+        window = 2 * self.config.measure
+        if interval is not None:
+            self._recent = (self._recent + [interval])[-window:]
+        self._since += 1
+        if self._since % window:
+            return False
+        slow = len(self._recent) == window and \
+            1e3 * statistics.median(self._recent) > (1 + self.config.drift) * self.candidates[self.kept].ms
+        drifted = any(all_gather_objects(slow, self.group))
+        if drifted:
+            self.log.append(f"step {self.steps}: the kept {self.candidates[self.kept].name} placement's recent "
+                            f"median step is over {1 + self.config.drift:.2f} x its measured "
+                            f"{self.candidates[self.kept].ms:.2f} ms on some rank: re-check")
+        return drifted
 
     def _recheck(self, optimizer: Any) -> None:
         """Measure the runner-up against the kept placement (the kept one again, for the same conditions)."""

@@ -8,6 +8,7 @@ rank keeps the same placement; the model object stays the one returned.
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 
 import pytest
@@ -141,6 +142,31 @@ def case_pending(rank, world):
     return True
 
 
+def case_recheck(rank, world):
+    """Re-checks every K steps, and when one rank's steps drift slower; every rank re-checks alike, exactly."""
+    cls, kw = OPTIMIZERS["sgd"]
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2,
+                                                                        recheck_every=10, drift=0.5), **kw)
+    trial, ref = opt.trial, Reference("sgd")
+    slow = []
+
+    def stall(module, args):
+        if slow:
+            time.sleep(slow[0])
+
+    model.module.register_forward_pre_hook(stall)
+    for step in range(40):
+        if step == 26 and rank == world - 1:   # one rank becomes slow: its drift must move every rank
+            slow.append(0.2)
+        step_of(model, opt, step, rank, world)
+        ref.step(step)
+    assert_same(model, ref.model, f"after re-checks, world {world}")
+    checks = [e for e in trial.log if ": re-check:" in e]
+    drift = [e for e in trial.log if "on some rank: re-check" in e]
+    assert len(checks) >= 2 and drift, trial.report()
+    return [e.split(":")[0] for e in trial.log]   # which steps decided: the same on every rank
+
+
 def case_off(rank, world):
     """A plan given, or trial=False: no trial; a bad trial argument is refused."""
     net = Model()
@@ -154,6 +180,7 @@ def case_off(rank, world):
 
 
 CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [("pending", case_pending, ()),
+                                                                    ("recheck", case_recheck, ()),
                                                                     ("off", case_off, ())]
 
 
@@ -171,6 +198,8 @@ def test_on_ranks(spawned, case):
     world, out = spawned
     results = [out[r][case] for r in range(world)]
     assert all(results), f"world {world}, {case}"
+    if case == "recheck":
+        assert len({tuple(r) for r in results}) == 1, f"ranks decided at different steps: {results}"
     if case.startswith("trial-"):
         assert len({r[0] for r in results}) == 1, f"ranks kept different placements: {results}"
         assert len({tuple(r[1]) for r in results}) == 1, "ranks decided from different figures"
@@ -196,5 +225,6 @@ def test_the_candidates_and_the_schedule_are_checked():
     p.memory_budget = 1
     assert "replicated" not in [c.name for c in candidates(p)]
     assert isinstance(candidates(p)[0], Candidate)
-    for bad, match in ((dict(measure=0), "measure"), (dict(warmup=-1), "warmup"), (dict(margin=1.0), "margin")):
+    for bad, match in ((dict(measure=0), "measure"), (dict(warmup=-1), "warmup"), (dict(margin=1.0), "margin"),
+                       (dict(drift=-0.1), "drift")):
         expect_value_error(lambda: TrialConfig(**bad), match)
