@@ -8,6 +8,7 @@ import tempfile
 import traceback
 from typing import Any, Callable, Dict, Optional
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -16,10 +17,12 @@ COLLECTIVE_TIMEOUT_S = 60
 # fresh interpreter that imports them itself (2-4 s of CPU per rank, most of the suite's time on 2 cores).
 # The server only imports; every rank still starts from untouched module state, with this process's
 # environment, working directory and sys.path. SPARSECOMM_TEST_START_METHOD=spawn restores plain spawn.
+# Where a GPU is visible the ranks are spawned as before: CUDA cannot be used in a process forked from
+# one that initialized it, and the GPU tests must not depend on what the preloaded imports touch.
 _PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "sparsecomm",
             "torch._dynamo", "torch.distributed.checkpoint"]  # the last two: imported lazily by DDP, optimizers, DCP
 _START_METHOD = os.environ.get("SPARSECOMM_TEST_START_METHOD") or (
-    "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    "forkserver" if "forkserver" in mp.get_all_start_methods() and not torch.cuda.is_available() else "spawn")
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
