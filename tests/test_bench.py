@@ -39,6 +39,26 @@ def _bench(args, launcher=(sys.executable,), timeout=150):
     return subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def _bench_at_once(arg_lists, timeout=150):
+    """``_bench`` for several argument lists, run side by side (python launcher only).
+
+    Each of these runs spends nearly all of its time importing torch and sparsecomm, on one core:
+    started together they take about the time of one, instead of one after the other."""
+    procs = [subprocess.Popen([sys.executable, "-m", "sparsecomm.bench", *args], env=launcher_free_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in arg_lists]
+    try:
+        outs = []
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            outs.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+        return outs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def _rows(path):
     with open(path) as f:
         return json.load(f)
@@ -166,11 +186,13 @@ def test_missing_plot_dependency_fails_before_any_rank_starts(tmp_path):
 
 
 def test_missing_output_folder_fails_before_the_run(tmp_path):
-    out = _bench(["allreduce", "--nproc", "2", *TINY_DENSE, "--json", str(tmp_path / "no" / "such" / "x.json")])
+    out, no_plot = _bench_at_once([
+        ["allreduce", "--nproc", "2", *TINY_DENSE, "--json", str(tmp_path / "no" / "such" / "x.json")],
+        ["sharded", "--nproc", "2", "--plot", str(tmp_path / "p.png")]])
     assert out.returncode == 2, _fail(out)
     assert "does not exist" in out.stderr and "starting" not in out.stderr and out.stdout == ""
     # A benchmark without a plot says so at once instead of ignoring --plot.
-    out = _bench(["sharded", "--nproc", "2", "--plot", str(tmp_path / "p.png")])
+    out = no_plot
     assert out.returncode == 2 and "draws no plot" in out.stderr and out.stdout == "", _fail(out)
 
 
@@ -351,9 +373,9 @@ TINY_E2E = ["--tables", "20000,3000", "--batch", "32", "--steps", "2", "--warmup
 
 
 def test_e2e_emulated_hosts_refuse_what_cannot_run_with_the_reason():
-    both = _bench(["e2e", "--hosts", "2", "--nproc", "2", *TINY_E2E])
+    both, bad = _bench_at_once([["e2e", "--hosts", "2", "--nproc", "2", *TINY_E2E],
+                                ["e2e", "--hosts", "2", "--rate", "fast", *TINY_E2E]])
     assert both.returncode == 2 and "--hosts and --nproc exclude each other" in both.stderr, _fail(both)
-    bad = _bench(["e2e", "--hosts", "2", "--rate", "fast", *TINY_E2E])
     assert bad.returncode == 2 and "cannot emulate hosts" in bad.stderr, _fail(bad)
 
 
@@ -391,12 +413,12 @@ def test_e2e_across_two_emulated_hosts(tmp_path):
 def test_bench_help_lists_every_benchmark_and_mistakes_say_why():
     from sparsecomm.bench.__main__ import BENCHMARKS
 
-    out = _bench(["--help"], timeout=60)
+    mistakes = (([], "no benchmark named"), (["nope"], "unknown benchmark 'nope'"))
+    out, *bads = _bench_at_once([["--help"]] + [args for args, _ in mistakes], timeout=60)
     assert out.returncode == 0, _fail(out)
     for name in BENCHMARKS:
         assert f"  {name} " in out.stdout
-    for args, why in (([], "no benchmark named"), (["nope"], "unknown benchmark 'nope'")):
-        bad = _bench(args, timeout=60)
+    for (args, why), bad in zip(mistakes, bads):
         assert bad.returncode == 2 and why in bad.stderr and "kernels" in bad.stderr, _fail(bad)
 
 

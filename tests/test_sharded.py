@@ -33,7 +33,7 @@ from sparsecomm.sharded import checkpoint as ckpt
 from distributed import expect_value_error, run_ranks
 
 V, D, B, L = 120, 6, 5, 4
-STEPS = 20
+STEPS = 15              # StepLR(step_size=7): the last step trains at the twice-decayed rate
 CKPT_STEPS = 5          # train this many, save, then this many again
 WORLDS = (1, 3, 2)      # spawn order: each loads the checkpoints of the earlier ones
 LR = {"sgd": 0.5, "adagrad": 0.3, "adam": 0.05}

@@ -337,13 +337,17 @@ def test_a_lying_peer_makes_every_rank_raise(attack, match, transport):
         assert shared == (transport == "shm"), (rank, shared)
 
 
-def _timeout_worker(rank, world):
+def _timeout_worker(rank, world, done_flag):
     from sparsecomm.collectives.groups import group_timeout, twin_group
 
     twin = twin_group(None)  # created together (collective)
     assert group_timeout(twin) == group_timeout(None)
     if rank == 1:
-        time.sleep(7)  # a stalled peer: never joins the async call (rank 0 must fail well before)
+        # A stalled peer: never joins the async call, and stays until rank 0 is through with it (10 s at
+        # most, well past the 6 s rank 0 has to fail in), so that rank 0 cannot fail for its leaving.
+        deadline = time.monotonic() + 10
+        while not os.path.exists(done_flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return ("stalled", 0.0)
     t = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 4), (10, 4))
     start = time.monotonic()
@@ -351,12 +355,15 @@ def _timeout_worker(rank, world):
         sparsecomm.sparse_allreduce(t, async_op=True).wait()
     except RuntimeError:
         return ("raised", time.monotonic() - start)
+    finally:
+        open(done_flag, "w").close()
     return ("returned", time.monotonic() - start)
 
 
-def test_groups_the_library_creates_keep_the_users_timeout():
+def test_groups_the_library_creates_keep_the_users_timeout(tmp_path):
     # The default group's timeout is 3 s: the twin the async call runs on must fail as soon, not in 30 min.
-    results = run_ranks(2, _timeout_worker, timeout_s=3, expect_dead=True, join_timeout_s=60)
+    results = run_ranks(2, _timeout_worker, str(tmp_path / "rank0-done"), timeout_s=3, expect_dead=True,
+                        join_timeout_s=60)
     status, elapsed = results[0]
     assert status == "raised" and elapsed < 6, (status, elapsed)
 
