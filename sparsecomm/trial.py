@@ -40,6 +40,10 @@ runner-up are measured again; the runner-up replaces the kept one only when
 faster by more than ``margin`` (hysteresis: the noise of one measurement
 does not move tables back and forth).
 
+A move rebuilds DDP in place and swaps table modules: a model compiled with
+``torch.compile`` around it recompiles after each move (or pass
+``trial=False`` with a plan).
+
 After a move, gradients are cleared (``set_to_none``): the hook runs after
 ``step()``, where a training loop's next ``zero_grad()`` would clear them.
 A move that cannot happen yet (lookups open, a round prefetched or awaiting
