@@ -149,3 +149,27 @@ def weight_diffs(model, reference) -> Dict[str, float]:
     got, want = full_weights(model), reference.state_dict()
     assert set(got) == set(want), (sorted(got), sorted(want))
     return {k: float((got[k] - want[k]).abs().max()) for k in want}
+
+
+def _case_worker(rank: int, world: int, cases) -> Dict[str, Any]:
+    return run_cases(rank, world, cases)
+
+
+def run_case_list(world_size: int, cases, join_timeout_s: float = 300) -> Dict[int, Dict[str, Any]]:
+    """:func:`run_cases` of ``cases`` (module-level functions) on ``world_size`` spawned ranks.
+
+    Returns:
+        ``{rank: {case name: its result}}``.
+    """
+    return run_ranks(world_size, _case_worker, list(cases), join_timeout_s=join_timeout_s)
+
+
+def spawned_fixture(cases, worlds=(2, 3)):
+    """A module-scoped pytest fixture: ``(world, run_case_list(world, cases))`` for each world size in ``worlds``."""
+    import pytest
+
+    @pytest.fixture(scope="module", params=list(worlds))
+    def spawned(request):
+        return request.param, run_case_list(request.param, cases)
+
+    return spawned

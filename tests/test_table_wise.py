@@ -24,7 +24,8 @@ from sparsecomm.sharded.table import ShardedTable
 
 import test_replan as rp
 import test_sharded as ts
-from distributed import expect_value_error, run_cases, run_ranks
+import test_trial as tt
+from distributed import expect_value_error, spawned_fixture
 
 T = "table"
 
@@ -269,42 +270,22 @@ def case_migrate(rank, world, name):
 
 def case_parallelize(rank, world):
     """The default call on bag tables of one width: table-wise over the ranks, one round, like one process."""
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(2)
-            self.a = nn.EmbeddingBag(300, 4, mode="sum", sparse=True)
-            self.b = nn.EmbeddingBag(200, 4, mode="sum", sparse=True)
-            self.c = nn.EmbeddingBag(100, 4, mode="mean", sparse=True)
-            self.mlp = nn.Linear(12, 1)
-            self.double()
-
-        def forward(self, x):
-            return self.mlp(torch.cat([self.a(x), self.b(x % 200), self.c(x % 100)], 1)).squeeze(1)
-
-    def batch(step, r, w):
-        g = torch.Generator().manual_seed(70 + step)
-        x, y = torch.randint(0, 300, (6, 3), generator=g), torch.randn(6, generator=g, dtype=torch.float64)
-        per = 6 // w
-        return x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
-
-    ref = Model()
-    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.1)
-    net = Model()
-    model, opt = sparsecomm.parallelize(net, torch.optim.Adagrad, plan=sparsecomm.plan(net, small_table_bytes=0),
-                                        lr=0.1)
+    ref = tt.Model()   # three bag tables of 4 MiB or more and an MLP
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=0.05)
+    net = tt.Model()
+    model, opt = sparsecomm.parallelize(net, torch.optim.Adagrad, plan=sparsecomm.plan(net), lr=0.05)
     inner = rp.inner_of(model)
     owners = [getattr(getattr(inner, t), "owner", None) for t in "abc"]
     if world > 1:
         assert all(getattr(inner, t).scheme == T for t in "abc") and len(set(owners)) == min(world, 3), owners
         assert len({id(getattr(inner, t).table_set) for t in "abc"}) == 1   # one lookup round for all three
     for step in range(4):
-        x, y = batch(step, rank, world)
+        x, y = tt.batch(step, rank, world)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
         ref_opt.zero_grad()
-        gx, gy = batch(step, 0, 1)
+        gx, gy = tt.batch(step)
         ((ref(gx) - gy) ** 2).mean().backward()
         ref_opt.step()
     rp.assert_same(model, ref, f"parallelize, world {world}")
@@ -316,13 +297,7 @@ CASES = ([(f"train-{k}-{o}", case_train, (k, o)) for k, o in TRAIN]
          + [(f"migrate-{n}", case_migrate, (n,)) for n in ("sgd", "adagrad", "adam")])
 
 
-def worker(rank, world):
-    return run_cases(rank, world, CASES)
-
-
-@pytest.fixture(scope="module", params=[2, 3])
-def spawned(request):
-    return request.param, run_ranks(request.param, worker, join_timeout_s=300)
+spawned = spawned_fixture(CASES)   # worlds 2 and 3, every case in one spawn each
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])

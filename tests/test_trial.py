@@ -19,7 +19,7 @@ import sparsecomm
 from sparsecomm.sharded.table import ShardedTable
 from sparsecomm.trial import Candidate, TrialConfig, candidates
 
-from distributed import expect_value_error, run_cases, run_ranks, weight_diffs
+from distributed import expect_value_error, spawned_fixture, weight_diffs
 
 GLOBAL_BATCH = 6
 TOL = 1e-6
@@ -184,13 +184,7 @@ CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [("pending", ca
                                                                     ("off", case_off, ())]
 
 
-def worker(rank, world):
-    return run_cases(rank, world, CASES)
-
-
-@pytest.fixture(scope="module", params=[2, 3])
-def spawned(request):
-    return request.param, run_ranks(request.param, worker, join_timeout_s=300)
+spawned = spawned_fixture(CASES)   # worlds 2 and 3, every case in one spawn each
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
