@@ -215,6 +215,14 @@ def case_refused(rank, world):
     if world > 1:
         differ = 1 if rank == last else 0
         expect_value_error(lambda: sh.ShardedEmbedding(10, 2, scheme=T, owner=differ), "every rank must build")
+    # A plan from a larger world (a checkpoint's) names an owner this group lacks: refused before any change.
+    net = tt.Model()
+    p = sparsecomm.plan(net)
+    p.override("a", "shard", T, owner=last)
+    p.tables["a"].owner = world
+    expect_value_error(lambda: sparsecomm.parallelize(net, torch.optim.SGD, plan=p, lr=0.1),
+                       f"planned whole on rank {world}, but the group has {world} ranks")
+    assert isinstance(net.a, nn.EmbeddingBag)
     ok = sh.ShardedEmbedding(10, 2, scheme=T, owner=last, seed=1)
     assert torch.equal(ok(torch.tensor([[1, 2]])), ok.full_weight()[torch.tensor([[1, 2]])])
     return True
