@@ -46,10 +46,9 @@ def _check_plan(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: int
         if (m.num_embeddings, m.embedding_dim) != (t.num_embeddings, t.embedding_dim):
             raise ValueError(f"sparsecomm.parallelize: table {name!r} is {m.num_embeddings} x {m.embedding_dim} but "
                              f"the plan has {t.num_embeddings} x {t.embedding_dim}")
-        if t.scheme == "table" and not (isinstance(t.owner, int) and 0 <= t.owner < n):
-            raise ValueError(f"sparsecomm.parallelize: table {name!r} is planned whole on rank {t.owner!r}, but the "
-                             f"group has {n} ranks: place it again (plan.override({name!r}, 'shard', 'table', "
-                             f"owner=...) or another scheme)")
+        if t.owner_problem(n):
+            raise ValueError(f"sparsecomm.parallelize: {t.owner_problem(n)}: place it again "
+                             f"(plan.override({name!r}, 'shard', 'table', owner=...) or another scheme)")
         if t.blocker:
             raise ValueError(f"sparsecomm.parallelize: table {name!r} cannot be sharded: {t.blocker}; replicate it "
                              f"(plan.override({name!r}, 'replicate'))")

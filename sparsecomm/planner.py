@@ -60,7 +60,7 @@ from sparsecomm import cost_model
 from sparsecomm.collectives.probe import measure_latency_bytes
 from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.collectives.transport import wire_index_dtype
-from sparsecomm.ownership import scheme_of
+from sparsecomm.ownership import owner_range_size, scheme_of
 from sparsecomm.sample_batch import sample_ids, sample_problem
 from sparsecomm.table_wise import place_tables, pools_at_owner
 
@@ -122,6 +122,16 @@ class TablePlan:
             return self.placement
         return f"shard (table: rank {self.owner})" if self.scheme == "table" else f"shard ({self.scheme})"
 
+    def owner_problem(self, world_size: int) -> Optional[str]:
+        """Why this table's owner cannot hold it in a group of ``world_size`` ranks (table-wise only), or None."""
+        if self.placement != "shard" or self.scheme != "table":
+            return None
+        try:
+            owner_range_size("table", world_size, None, owner=self.owner)
+        except ValueError as exc:
+            return f"table {self.name!r} is planned whole on one rank: {exc}"
+        return None
+
     @property
     def skew(self) -> Optional[float]:
         """Largest rank's distinct ids over the mean (1.0: balanced)."""
@@ -179,9 +189,10 @@ class Plan:
             scheme = t.scheme
             owner = t.owner if owner is None and scheme == "table" and placement == "shard" else owner
         if placement == "shard" and scheme == "table":
-            if not isinstance(owner, int) or isinstance(owner, bool) or not 0 <= owner < self.world_size:
-                raise ValueError(f"table {name!r}: scheme 'table' needs owner, the rank that holds it, in "
-                                 f"[0, {self.world_size}); got {owner!r}")
+            problem = dataclasses.replace(t, placement=placement, scheme=scheme, owner=owner).owner_problem(
+                self.world_size)
+            if problem:
+                raise ValueError(problem)
         elif owner is not None:
             raise ValueError(f"table {name!r}: owner is for scheme 'table' (placement 'shard'); got owner={owner!r} "
                              f"with placement {placement!r}, scheme {scheme!r}")

@@ -160,12 +160,12 @@ def _plan_moves(model: nn.Module, optimizer: Any, plan: Any, group) -> List[Tupl
     if getattr(inner, "sparsecomm_plan", None) is None:
         raise ValueError("the model was not made by sparsecomm.parallelize (it has no sparsecomm_plan)")
     _check_group(model, group)
-    n = world(group)[1]
-    for name, t in plan.tables.items():
-        if t.placement == "shard" and t.scheme == "table" and not (isinstance(t.owner, int) and 0 <= t.owner < n):
-            raise ValueError(f"table {name!r} is planned whole on rank {t.owner!r}, but the group has {n} ranks")
+    for t in plan.tables.values():
+        if t.owner_problem(world(group)[1]):
+            raise ValueError(t.owner_problem(world(group)[1]))
     names = set(_table_names(inner))
-    moves = [(n, current_placement(inner.get_submodule(n)), planned_placement(t)) for n, t in plan.tables.items() if n in names]
+    moves = [(n, current_placement(inner.get_submodule(n)), planned_placement(t)) for n, t in plan.tables.items()
+             if n in names]
     spec = _check_optimizer(optimizer, inner, moves)
     _check_tables(inner, plan, spec)
     moves = [m for m in moves if m[1] != m[2]]

@@ -66,6 +66,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm.collectives.objects import all_gather_objects, world
+from sparsecomm.placement import planned_placement
 from sparsecomm.planner import Plan
 from sparsecomm.replan import ReplanBusy, replan
 
@@ -114,8 +115,7 @@ class Candidate:
     ms: Optional[float] = None
 
     def key(self) -> tuple:
-        return tuple((n, t.placement, t.scheme if t.placement == "shard" else None,
-                      t.owner if t.placement == "shard" else None) for n, t in self.plan.tables.items())
+        return tuple((n, planned_placement(t)) for n, t in self.plan.tables.items())
 
 
 def candidates(planned: Plan, small_table_bytes: int = 4 << 20) -> List[Candidate]:

@@ -221,7 +221,8 @@ def case_refused(rank, world):
     p.override("a", "shard", T, owner=last)
     p.tables["a"].owner = world
     expect_value_error(lambda: sparsecomm.parallelize(net, torch.optim.SGD, plan=p, lr=0.1),
-                       f"planned whole on rank {world}, but the group has {world} ranks")
+                       f"'a' is planned whole on one rank: scheme='table' needs owner, the rank holding the "
+                       f"table, in [0, {world}); got {world}")
     assert isinstance(net.a, nn.EmbeddingBag)
     ok = sh.ShardedEmbedding(10, 2, scheme=T, owner=last, seed=1)
     assert torch.equal(ok(torch.tensor([[1, 2]])), ok.full_weight()[torch.tensor([[1, 2]])])
@@ -272,7 +273,7 @@ def case_migrate(rank, world, name):
     if world > 1:
         far = _plan(copy.deepcopy(rp.inner_of(model).sparsecomm_plan), {"a": [last]}, 0)
         far.tables["a"].owner = world
-        expect_value_error(lambda: sparsecomm.replan(model, opt, far), f"the group has {world} ranks")
+        expect_value_error(lambda: sparsecomm.replan(model, opt, far), f"in [0, {world}); got {world}")
     return True
 
 

@@ -113,7 +113,6 @@ class ShardedTable(nn.Module):
             # Every rank draws (keeping their RNG streams in step); rank 0's draw wins.
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.layout, self.seed = self._agree_layout(num_embeddings, rank, size, owner, device, seed)
-        self.owner = owner
         self.stats = SparseSyncStats(world_size=size)
         # Alone in an eager set until grouped (sparsecomm.sharded.model.group_tables).
         self._set = TableSet([self], lazy=False, stats=self.stats)
@@ -224,6 +223,11 @@ class ShardedTable(nn.Module):
         return full
 
     # ------------------------------------------------ what a lookup round uses
+
+    @property
+    def owner(self) -> Optional[int]:
+        """The rank holding the whole table under ``scheme="table"`` (None under the other schemes)."""
+        return self.layout.owner
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
