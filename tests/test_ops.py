@@ -582,3 +582,17 @@ def test_rowwise_adagrad_refuses_bad_slots_before_writing():
     with pytest.raises(TypeError, match="int64"):
         ops.rowwise_adagrad_(weight, acc, torch.tensor([1], dtype=torch.int32), grad[:1], 0.1, 1e-8)
     ops.rowwise_adagrad_(weight, acc, torch.empty(0, dtype=torch.int64), grad[:0], 0.1, 1e-8)   # nothing to do
+
+
+def test_take_rows_views_a_run_and_gathers_the_rest():
+    table = torch.arange(40.0).view(10, 4)
+    run = ops.take_rows(table, torch.tensor([3, 4, 5]))
+    assert torch.equal(run, table[3:6]) and run.data_ptr() == table[3].data_ptr()   # a view, no copy
+    scattered = torch.tensor([0, 2, 9])
+    assert torch.equal(ops.take_rows(table, scattered), table[scattered])
+    for ids in (torch.tensor([3, 4, 5]), scattered, torch.zeros(0, dtype=torch.int64)):
+        out = torch.full((ids.numel(), 4), -1.0)
+        got = ops.take_rows(table, ids, out=out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, table[ids])
+        halves = torch.zeros((ids.numel(), 4), dtype=torch.float64)   # another dtype: converted into out
+        assert torch.equal(ops.take_rows(table, ids, out=halves), table[ids].double())

@@ -14,7 +14,7 @@ from sparsecomm import _library
 from sparsecomm.ops._validate import check_ids, check_num_rows, check_values, owner_map, row_width
 
 __all__ = ["Partition", "coalesce_rows", "partition_rows", "coalesce_partition_rows", "row_owners", "gather_rows",
-           "scatter_add_rows", "rowwise_adagrad_"]
+           "take_rows", "scatter_add_rows", "rowwise_adagrad_"]
 
 
 class Partition(NamedTuple):
@@ -166,6 +166,33 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     check_values(table, "table", None, ids.device)
     flat = table.reshape(table.shape[0], row_width(table))
     return _library.call("gather", flat, ids).view((ids.shape[0], *table.shape[1:]))
+
+
+def take_rows(table: torch.Tensor, ids: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``table[ids]`` for bulk moves of whole shards: a view when ``ids`` are one run of consecutive rows.
+
+    Where :func:`gather_rows` serves a batch's scattered ids, this takes a
+    shard's rows (ids ascending, often one run under ``"range"`` or
+    ``"table"`` ownership): a slice there, torch's ``index_select`` (written
+    into ``out`` when given) otherwise.
+
+    Args:
+        table: ``(V, ...)`` tensor.
+        ids: ``(n,)`` int64 ids in ``[0, V)``, ascending.
+        out: where to write the rows (``(n, ...)``, the table's dtype and
+            device); None: a view of ``table`` when the ids are a run, else a
+            new tensor.
+    """
+    ids = ids.to(table.device)
+    n = ids.numel()
+    run = n == 0 or int(ids[-1]) - int(ids[0]) + 1 == n
+    if run:
+        rows = table[int(ids[0]):int(ids[0]) + n] if n else table[:0]
+        return out.copy_(rows) if out is not None else rows
+    if out is not None and out.dtype == table.dtype and out.device == table.device and out.is_contiguous():
+        return torch.index_select(table, 0, ids, out=out)
+    rows = torch.index_select(table, 0, ids)
+    return out.copy_(rows) if out is not None else rows
 
 
 def scatter_add_rows(table: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -204,7 +204,7 @@ class ShardedTable(nn.Module):
             raise ValueError(f"expected a ({self.num_embeddings}, {self.embedding_dim}) table, "
                              f"got {tuple(weight.shape)}")
         self.drop_hot()
-        self.local_weight.copy_(weight[self.layout.owned_ids().to(weight.device)])
+        ops.take_rows(weight.detach(), self.layout.owned_ids(), out=self.local_weight)
 
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:
