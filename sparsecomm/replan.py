@@ -13,7 +13,9 @@ move                  what travels
 ====================  ==========================================================
 replicate -> shard    nothing: each rank keeps its owned rows of the replica and
                       of its state (both are the same on every rank)
-shard -> replicate    one all-gather of each shard's rows with their state
+shard -> replicate    one all-gather of each shard's rows with their state (with
+                      ``stale`` replicas, only of the rows changed since the
+                      table left its replica: :mod:`sparsecomm.stale`)
 between schemes      one all-to-all: the rows and their state through the table
 (hash, range, table)  in id order (:mod:`sparsecomm.sharded.dcp`) to the new owners
                       (another owner of a table-wise table too)
@@ -41,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from sparsecomm import ops
 from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.collectives.sharded_exchange import allgather_table_rows
 from sparsecomm.hooks import register
@@ -50,6 +53,7 @@ from sparsecomm.sharded import dcp
 from sparsecomm.sharded.combined import Incoming, OptimizerSpec, ParallelOptimizer, check_optimizer
 from sparsecomm.sharded.model import flush, group_tables, sharded_modules
 from sparsecomm.sharded.table import ShardedTable
+from sparsecomm.stale import StaleReplicas
 
 __all__ = ["replan", "REPLICATE", "ReplanBusy"]
 
@@ -231,38 +235,68 @@ def _incoming(optimizer: ParallelOptimizer, leaving: torch.Tensor, item: Any, pa
     return Incoming(item, part, state, source, optimizer.parts[source_part].defaults)
 
 
-def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, where: Where, group) -> Moved:
-    """A replica to a sharded table: this rank's rows of its weight and state (no communication but the seed's)."""
+def _copy_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A new tensor of ``table``'s rows at ``ids`` (ascending), never a view."""
+    out = torch.empty((ids.numel(), *table.shape[1:]), dtype=table.dtype, device=table.device)
+    return ops.take_rows(table, ids, out=out)
+
+
+def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, where: Where, group,
+           stale: Optional[StaleReplicas]) -> Moved:
+    """A replica to a sharded table: this rank's rows of its weight and state (no communication but the seed's).
+
+    With stale replicas, the replica's weight and state are kept as the table's copy (they are not updated any more).
+    """
     part, _ = _group_of(optimizer, m.weight)
     state = optimizer.parts[part].state.get(m.weight, {})
     table = TableSpec.of(m).sharded(m.weight.detach(), where, group, seed=0)
-    owned = table.layout.owned_ids().to(m.weight.device)
-    rows = {n: state[n][owned] for n in optimizer.spec.part_class("sharded").row_state_names if n in state}
+    owned = table.layout.owned_ids()
+    names = [n for n in optimizer.spec.part_class("sharded").row_state_names if n in state]
+    rows = {n: _copy_rows(state[n], owned) for n in names}
+    if stale is not None:
+        stale.keep(name, m.weight, {n: state[n] for n in names})
     return Moved(name, table, _incoming(optimizer, m.weight, table, "sharded", {"step": _step_of(state), **rows}))
 
 
-def _replicate(name: str, t: ShardedTable, optimizer: ParallelOptimizer) -> Moved:
-    """A sharded table to a replica: every shard's rows and state to every rank (one all-gather)."""
+def _replicate(name: str, t: ShardedTable, optimizer: ParallelOptimizer, stale: Optional[StaleReplicas]) -> Moved:
+    """A sharded table to a replica: every shard's rows and state to every rank (one all-gather; with a stale
+    replica, only the rows that changed since)."""
     sharded = optimizer.sharded
     state = sharded.state[t.local_weight]
     names = sharded.row_state_names
     d = t.embedding_dim
-    packed = torch.cat([t.local_weight.detach()] + [state[n] for n in names], 1)
-    ids, rows = allgather_table_rows(t.layout.owned_ids(), packed, t.num_embeddings, t.group)
-    full = torch.empty((t.num_embeddings, packed.shape[1]), dtype=rows.dtype, device=rows.device)
-    full[ids.to(rows.device)] = rows
+    copy = stale.current(name, t, sharded) if stale is not None and name in stale else None
+    if copy is not None:
+        weight, whole = copy.weight, dict(copy.state)
+    else:
+        packed = torch.cat([t.local_weight.detach()] + [state[n] for n in names], 1)
+        ids, rows = allgather_table_rows(t.layout.owned_ids(), packed, t.num_embeddings, t.group)
+        full = torch.empty((t.num_embeddings, packed.shape[1]), dtype=rows.dtype, device=rows.device)
+        full[ids.to(rows.device)] = rows
+        weight = full[:, :d].clone()
+        whole = {n: full[:, (i + 1) * d:(i + 2) * d].clone() for i, n in enumerate(names)}
+    if stale is not None:
+        stale.drop(name)   # the replica is updated from now on
     spec = optimizer.spec
-    module = TableSpec.of(t).replica(full[:, :d].clone())
+    module = TableSpec.of(t).replica(weight)
     part = spec.replica_part(TableSpec.of(t).sparse)
-    whole = {n: full[:, (i + 1) * d:(i + 2) * d].clone() for i, n in enumerate(names)}
     torch_state = _torch_state(spec.part_class(part), int(state["step"]), whole)
     return Moved(name, module, _incoming(optimizer, t.weight, module.weight, part, torch_state))
 
 
-def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, where: Where, group) -> Moved:
-    """A sharded table under another scheme: rows and state through the id order to the new owners (one all-to-all)."""
+def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, where: Where, group,
+             stale: Optional[StaleReplicas]) -> Moved:
+    """A sharded table under another scheme: rows and state through the id order to the new owners (one all-to-all;
+    with a stale replica, one all-gather of the rows that changed, then every rank cuts its rows from the copy)."""
     sharded = optimizer.sharded
     w = t.local_weight
+    copy = stale.current(name, t, sharded, to_scheme=where.scheme) if stale is not None and name in stale else None
+    if copy is not None:
+        new = TableSpec.of(t).sharded(copy.weight, where, group, seed=t.seed)
+        owned = new.layout.owned_ids()
+        moved = {n: _copy_rows(s, owned) for n, s in copy.state.items()}   # copies: the stale one stays as it is
+        return Moved(name, new, _incoming(optimizer, t.weight, new, "sharded",
+                                          {"step": int(sharded.state[w]["step"]), **moved}))
     # A table of zeros without its memory: the new table's rows come from the old one's below.
     zeros = torch.zeros((1, t.embedding_dim), dtype=w.dtype, device=w.device).expand(t.num_embeddings, -1)
     new = TableSpec.of(t).sharded(zeros, where, group, seed=t.seed)
@@ -276,13 +310,14 @@ def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, where: Wh
     return Moved(name, new, _incoming(optimizer, t.weight, new, "sharded", moved_state))
 
 
-def _move(inner: nn.Module, optimizer: ParallelOptimizer, name: str, new: Where, group) -> Moved:
+def _move(inner: nn.Module, optimizer: ParallelOptimizer, name: str, new: Where, group,
+          stale: Optional[StaleReplicas]) -> Moved:
     m = inner.get_submodule(name)
     if not isinstance(m, ShardedTable):
-        return _shard(name, m, optimizer, new, group)
+        return _shard(name, m, optimizer, new, group, stale)
     if new.replicated:
-        return _replicate(name, m, optimizer)
-    return _reshard(name, m, optimizer, new, group)
+        return _replicate(name, m, optimizer, stale)
+    return _reshard(name, m, optimizer, new, group, stale)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -325,7 +360,8 @@ def _wrap(model: nn.Module, inner: nn.Module, process_group, n: int, ddp_kwargs,
     """
     old_state = getattr(inner, "sparsecomm_state", None)
     if hook_options is None:
-        hook_options = {"config": old_state.config} if old_state is not None else {}
+        # The link was measured on the same group: not again.
+        hook_options = {"config": old_state.config, "link": old_state.link} if old_state is not None else {}
     if ddp_kwargs is None:
         ddp_kwargs = getattr(inner, "sparsecomm_ddp_kwargs", None)
     kwargs = {"init_sync": False, **(ddp_kwargs or {})}
@@ -347,9 +383,15 @@ def _wrap(model: nn.Module, inner: nn.Module, process_group, n: int, ddp_kwargs,
     return wrapped
 
 
-def _agree(problem: Optional[str], busy: bool, plan: Any, group, rank: int) -> None:
+def _agree(problem: Optional[str], busy: bool, plan: Any, group, rank: int,
+           replicas: Optional[StaleReplicas]) -> frozenset:
+    """Raise the same error on every rank when some rank refused; else the tables whose stale copies every rank
+    holds alike."""
     where = [(n, planned_placement(t)) for n, t in plan.tables.items()] if isinstance(plan, Plan) else None
-    verdicts = all_gather_objects((problem, busy, where), group)
+    copies = replicas.names() if replicas is not None else {}
+    verdicts = all_gather_objects((problem, busy, where, copies), group)
+    usable = frozenset(n for n, shape in copies.items() if all(v[3].get(n) == shape for v in verdicts))
+    verdicts = [v[:3] for v in verdicts]
     errors = [(r, err, mid) for r, (err, mid, _) in enumerate(verdicts) if err]
     if errors:
         r, err, mid = next(((r, e, m) for r, e, m in errors if r == rank), errors[0])
@@ -360,11 +402,13 @@ def _agree(problem: Optional[str], busy: bool, plan: Any, group, rank: int) -> N
         if theirs != verdicts[0][1]:
             raise ValueError(f"{_WHAT}: rank {r} places the tables {theirs} but rank 0 {verdicts[0][1]}: pass the "
                              f"same plan on every rank")
+    return usable
 
 
 def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
            process_group: Optional[dist.ProcessGroup] = None, ddp_kwargs: Optional[Dict[str, Any]] = None,
-           hook_options: Optional[Dict[str, Any]] = None) -> Tuple[nn.Module, ParallelOptimizer]:
+           hook_options: Optional[Dict[str, Any]] = None, stale: Optional[StaleReplicas] = None
+           ) -> Tuple[nn.Module, ParallelOptimizer]:
     """Move tables of a parallelized model to the placements of ``new_plan``, optimizer state included; collective.
 
     Between two steps (after ``step()`` and ``zero_grad()``), every rank calls
@@ -387,6 +431,9 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
             those given to ``parallelize``).
         hook_options: the hook's options for that wrapper (default: the old
             hook's settings).
+        stale: :class:`~sparsecomm.stale.StaleReplicas` (the same object at
+            every replan of the model): later moves of a table that left its
+            replica send only the rows that changed since (a replica's memory).
 
     Returns:
         ``(model, optimizer)``: the optimizer is the same object, changed in
@@ -431,7 +478,7 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
         moves = _plan_moves(model, optimizer, new_plan, group)
     except ValueError as exc:
         problem, busy = str(exc), isinstance(exc, ReplanBusy)
-    _agree(problem, busy, new_plan, group, rank)
+    usable = _agree(problem, busy, new_plan, group, rank, stale)
     inner = _unwrap(model)
     new_plan.world_size = n
     inner.sparsecomm_plan = new_plan
@@ -439,7 +486,9 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
         return model, optimizer
     flush(inner)   # open rounds run, deferred gradients land: the shards hold every update
     old_sets = list({id(t.table_set): t.table_set for _, t in sharded_modules(inner)}.values())
-    moved = [_move(inner, optimizer, name, new, process_group) for name, _, new in moves]
+    for name in set(stale.names() if stale is not None else ()) - usable:
+        stale.drop(name)   # not held alike by every rank: of no use
+    moved = [_move(inner, optimizer, name, new, process_group, stale) for name, _, new in moves]
     for m in moved:
         _replace(inner, m.name, m.module)
     optimizer.regroup(_wanted(inner, new_plan, optimizer.spec), [m.incoming for m in moved])

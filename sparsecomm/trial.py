@@ -19,9 +19,11 @@ The candidates, in the order they are tried:
 3. ``row-sharded``: the tables the planner shards (or, when it shards none,
    those of ``small_table_bytes`` or more) row-sharded by hash.
 
-Identical candidates are tried once. The job starts replicated (moving a
-replica to any sharded placement communicates nothing; the way back is an
-all-gather of the tables), so migrations cost at most two table transfers.
+Identical candidates are tried once. The job starts replicated: moving a
+replica to any sharded placement communicates nothing, and the replica is
+kept as a stale copy on every rank (:mod:`sparsecomm.stale`), so every later
+move (to another sharded placement, or back) sends only the rows that
+changed since, with their optimizer state, not the whole tables.
 A step's time runs from its first forward with gradients (a forward
 pre-hook on the model) to the end of its ``step()``: data loading, which is the same whatever the
 placement, stays out of it; the ``settle`` steps after a move are not
@@ -69,6 +71,7 @@ from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.placement import planned_placement
 from sparsecomm.planner import Plan
 from sparsecomm.replan import ReplanBusy, replan
+from sparsecomm.stale import StaleReplicas
 
 __all__ = ["TrialConfig", "Candidate", "PlacementTrial", "candidates"]
 
@@ -85,6 +88,9 @@ class TrialConfig:
         drift: re-check when the kept placement's recent median step is this fraction above its measured one
             (0: never).
         margin: how much faster (as a fraction) another candidate must be to replace the kept one at a re-check.
+        stale_replicas: keep each sharded table's last replica (:mod:`sparsecomm.stale`) while a move may still come
+            (through the re-checks), so moves send only changed rows; costs the replicated placement's memory,
+            which the trial's first candidate used anyway. False: every move sends whole tables.
     """
 
     warmup: int = 3
@@ -93,6 +99,7 @@ class TrialConfig:
     recheck_every: int = 0
     drift: float = 0.15
     margin: float = 0.1
+    stale_replicas: bool = True
 
     def __post_init__(self) -> None:
         for name in ("warmup", "settle", "measure", "recheck_every"):
@@ -172,6 +179,7 @@ class PlacementTrial:
         self._check_order: List[int] = []
         self._recent: List[float] = []     # the kept placement's latest steps (drift)
         self._since = 0                    # steps since the last decision
+        self.stale = StaleReplicas() if config.stale_replicas else None
 
     @property
     def done(self) -> bool:
@@ -243,6 +251,8 @@ class PlacementTrial:
         self._samples, self._recent, self._since = {}, [], 0
         every = self.config.recheck_every
         self._next_check = self.steps + every if every else None
+        if self.stale is not None and not (every or self.config.drift):
+            self.stale.drop()   # no move can come any more
         note = f"measured: {self.candidates[best].name} placement kept ({figures} ms/step)"
         plans = [self.candidates[best].plan]
         if self.current == best:   # the model holds a copy of it
@@ -302,7 +312,7 @@ class PlacementTrial:
         start = time.perf_counter()
         try:
             moved, _ = replan(model, optimizer, copy.deepcopy(self.candidates[index].plan),
-                              process_group=self.process_group)
+                              process_group=self.process_group, stale=self.stale)
         except ReplanBusy:
             self._want = index   # agreed on every rank: every rank retries at the next step
             return True
@@ -326,6 +336,9 @@ class PlacementTrial:
             ms = "not measured yet" if c.ms is None else f"{c.ms:.2f} ms/step (slowest rank's median)"
             mark = " <- kept" if i == self.kept else (" <- now" if i == self.current and not self.done else "")
             lines.append(f"  {c.name}: {ms}{mark}")
+        if self.stale is not None and self.stale.rows_total:
+            lines.append(f"  moves sent {self.stale.rows_sent} of {self.stale.rows_total} rows from this rank "
+                         f"(stale replicas hold {self.stale.nbytes / 2**20:.1f} MiB)")
         return "\n".join(lines + ["  " + entry for entry in self.log])
 
 

@@ -92,10 +92,13 @@ def assert_same(model, reference, what):
     assert diffs[worst] < TOL, f"{what}: {worst} differs by {diffs[worst]}"
 
 
-def case_trial(rank, world, name):
-    """The default call: replicated first, then the planner's pick, then row-sharded; the fastest kept."""
+def case_trial(rank, world, name, config=FAST):
+    """The default call: replicated first, then the planner's pick, then row-sharded; the fastest kept.
+
+    With stale replicas (the default), moves after the first send only changed rows: far fewer than the tables'.
+    """
     cls, kw = OPTIMIZERS[name]
-    model, opt = sparsecomm.parallelize(Model(), cls, trial=FAST, **kw)
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=config, **kw)
     first, trial, ref = model, opt.trial, Reference(name)
     assert [c.name for c in trial.candidates] == ["replicated", "planned", "row-sharded"]
     assert set(placement(model).values()) == {"replicate"}
@@ -114,6 +117,11 @@ def case_trial(rank, world, name):
     text = trial.report()
     assert "kept " + kept.name in text and "median ms/step of the slowest rank" in text
     assert "measured:" in model.module.sparsecomm_plan.tables["a"].reason
+    if config.stale_replicas:
+        assert 0 < trial.stale.rows_sent < trial.stale.rows_total / 100, text
+        assert "moves sent" in text
+    else:
+        assert trial.stale is None
     return kept.name, [c.ms for c in trial.candidates]
 
 
@@ -179,7 +187,8 @@ def case_off(rank, world):
     return True
 
 
-CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [("pending", case_pending, ()),
+WHOLE = TrialConfig(warmup=1, settle=1, measure=2, stale_replicas=False)   # every move sends whole tables
+CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [("trial-whole-adam", case_trial, ("adam", WHOLE)),("pending", case_pending, ()),
                                                                     ("recheck", case_recheck, ()),
                                                                     ("off", case_off, ())]
 

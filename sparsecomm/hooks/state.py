@@ -108,6 +108,9 @@ class SparseCommState:
             still synchronized together, but a sparse table unused in a
             step fails inside DDP as it does without the hook.
         config: the tunable settings (:class:`HookConfig`; default: its defaults).
+        link: the link this job already measured on the same group (an
+            earlier state's ``link``, as ``sparsecomm.replan`` passes when it
+            builds DDP again): taken instead of measuring again.
         **options: :class:`HookConfig` fields (``compression="bf16"``, ...),
             applied over ``config``.
 
@@ -148,7 +151,7 @@ class SparseCommState:
     tune_every = _setting("tune_every")
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None, *, model: Optional[nn.Module] = None,
-                 config: Optional[HookConfig] = None, **options: Any) -> None:
+                 config: Optional[HookConfig] = None, link: Optional[LinkProbe] = None, **options: Any) -> None:
         config = replace(config, **options) if config is not None else HookConfig(**options)
         self.config = config
         self.process_group = process_group
@@ -162,8 +165,10 @@ class SparseCommState:
         self.local_world_size = local_world_size
         self._sparse_group = None
         self.sparse_group  # collective: create the hook's groups now, on every rank, not mid-backward
-        self.link: Optional[LinkProbe] = None
-        if config.latency_bytes is None:
+        self.link: Optional[LinkProbe] = link
+        if config.latency_bytes is None and link is not None:
+            self.latency_bytes = link.latency_bytes
+        elif config.latency_bytes is None:
             self.link = measure_link(self.sparse_group, ranks_per_host=host_layout(self.world_size,
                                                                                    local_world_size))
             self.latency_bytes = self.link.latency_bytes

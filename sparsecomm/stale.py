@@ -1,0 +1,201 @@
+"""Stale replicas: a whole copy of each sharded table kept on every rank, so that moves send only changed rows.
+
+Moving a replicated table to a sharded placement communicates nothing (each
+rank keeps its rows); the way back, or to another scheme, moves the whole
+table with its optimizer state: at 1 Gbit/s, seconds for a table of a few
+hundred MB. A placement trial (:mod:`sparsecomm.trial`) makes such moves a few
+steps apart, between placements that touch a small part of the table.
+:class:`StaleReplicas` keeps, when a table leaves its replica, that replica's
+weight and row state (the replica's own tensors: no copy). It is the same on
+every rank. When the table moves again, each owner compares its rows with
+its stale copy, bit for bit (NaNs and signed zeros included), and only the
+rows that differ travel, in one all-gather. Every rank then patches its
+copy and holds the whole current table, weight and state, from which the
+next placement is cut locally. The result is the same bits as a move of the
+whole table, whatever changed the rows (optimizer steps, a checkpoint load,
+a user's edit), because the comparison, not a log of updates, decides what
+is sent.
+
+Trust: the copies stay equal on every rank because they start from
+replicas that DDP keeps equal and change only by the same all-gather
+everywhere. :func:`sparsecomm.replan` uses a table's copy only when every
+rank holds one of the same shape (agreed in its one all-gather of objects),
+and moves the whole table otherwise.
+
+Cost: the replicated placement's memory for every table kept (a trial starts
+replicated, so it adds nothing to the trial's peak), and one bit comparison
+of each owner's rows per move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sparsecomm import ops
+from sparsecomm.collectives.objects import all_gather_objects
+from sparsecomm.collectives.sharded_exchange import allgather_table_rows
+
+__all__ = ["StaleReplicas", "StaleTable"]
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK_ROWS = 1 << 16   # rows compared at a time: bounds the gathered copy of the stale rows
+
+
+@dataclasses.dataclass
+class StaleTable:
+    """One table's copy: its weight and its row state (per name), whole tables of the same rows."""
+
+    weight: torch.Tensor
+    state: Dict[str, torch.Tensor]
+
+    def shape(self) -> Tuple[Tuple[int, ...], Tuple[str, ...]]:
+        return tuple(self.weight.shape), tuple(sorted(self.state))
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A matrix of rows as the widest integers that tile a row: equal exactly when the bits are."""
+    t = t.contiguous()
+    row_bytes = t.shape[1] * t.element_size()
+    width = next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)
+    return t.view(torch.uint8).view(_BITS[width]) if t.numel() else t.view(_BITS[t.element_size()])
+
+
+def changed_rows(ids: torch.Tensor, current: Sequence[torch.Tensor], stale: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Positions ``i`` where row ``i`` of some ``current`` matrix differs in any bit from row ``ids[i]`` of its
+    ``stale`` one (``ids`` ascending). A chunk whose bits are all equal costs one comparison."""
+    out: List[torch.Tensor] = []
+    buffers: Dict[int, torch.Tensor] = {}
+    for lo in range(0, ids.numel(), _CHUNK_ROWS):
+        part = ids[lo:lo + _CHUNK_ROWS]
+        differ: Optional[torch.Tensor] = None
+        for i, (cur, old) in enumerate(zip(current, stale)):
+            if i not in buffers:
+                buffers[i] = torch.empty((min(_CHUNK_ROWS, ids.numel()), old.shape[1]), dtype=old.dtype,
+                                         device=old.device)
+            rows = _words(ops.take_rows(old, part, out=buffers[i][:part.numel()]))
+            mine = _words(cur[lo:lo + part.numel()].to(old.device))
+            if torch.equal(mine, rows):
+                continue
+            rows_differ = (mine != rows).any(1).to(ids.device)
+            differ = rows_differ if differ is None else differ | rows_differ
+        if differ is not None:
+            out.append(differ.nonzero().view(-1) + lo)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=ids.device)
+
+
+class StaleReplicas:
+    """The stale copies of a model's sharded tables, by table name (module docstring); one per rank, used alike.
+
+    Attributes:
+        rows_sent: rows this rank has sent to refresh copies (all moves together).
+        rows_total: rows a whole-table move would have sent from this rank instead.
+    """
+
+    def __init__(self) -> None:
+        self._tables: Dict[str, StaleTable] = {}
+        self.rows_sent = 0
+        self.rows_total = 0
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tables
+
+    def names(self) -> Dict[str, tuple]:
+        """Every copy's table name with its shape (what ranks agree on before using them)."""
+        return {name: t.shape() for name, t in self._tables.items()}
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the copies hold."""
+        return sum(t.weight.nbytes + sum(s.nbytes for s in t.state.values()) for t in self._tables.values())
+
+    def keep(self, name: str, weight: torch.Tensor, state: Dict[str, torch.Tensor]) -> None:
+        """Keep ``weight`` and ``state`` (whole tables, equal on every rank, no longer updated) as ``name``'s copy."""
+        self._tables[name] = StaleTable(weight.detach().contiguous(),
+                                        {n: s.detach().contiguous() for n, s in state.items()})
+
+    def drop(self, name: Optional[str] = None) -> None:
+        """Forget ``name``'s copy (every copy: None)."""
+        if name is None:
+            self._tables.clear()
+        else:
+            self._tables.pop(name, None)
+
+    def current(self, name: str, table: Any, optimizer: Any, to_scheme: Optional[str] = None
+                ) -> Optional[StaleTable]:
+        """The whole current ``table`` (weight and row state): ``name``'s copy, patched with the rows that changed.
+
+        Collective over the table's group: every rank calls it for the same
+        tables, those every rank holds a copy of (``replan`` agrees on the
+        copies first and drops the others). One all-gather of each
+        rank's count of changed rows, then one of those rows. Every rank holds
+        the same whole table after it.
+
+        Args:
+            table: the :class:`~sparsecomm.sharded.table.ShardedTable` named ``name``.
+            optimizer: the sharded tables' optimizer (its state of ``table``'s rows).
+            to_scheme: the scheme the table moves to (None: to a replica,
+                where the copy is always worth it: the whole move is an
+                all-gather too). Under another scheme, the whole move costs
+                the busiest rank the rows of the busiest owner, old or new
+                (a table-wise owner's: all of them).
+
+        Returns:
+            The copy, or None on every rank (the copy dropped, the caller moves
+            the whole table) when some rank's copy does not fit its rows or
+            sending the changed rows to every rank costs the busiest rank more
+            rows than the whole move would.
+        """
+        copy = self._tables.get(name)
+        state = optimizer.state.get(table.local_weight, {})
+        mine = {n: state[n] for n in optimizer.row_state_names if n in state}
+        names = sorted(mine)
+        current = [_rows(table.local_weight.detach())] + [_rows(mine[n]) for n in names]
+        owned = table.layout.owned_ids()
+        which = None
+        if copy is not None and self.fits(name, table.local_weight, mine):
+            which = changed_rows(owned, current, [_rows(copy.weight)] + [_rows(copy.state[n]) for n in names])
+        counts = [int(c) for c in all_gather_objects(-1 if which is None else which.numel(), table.group)]
+        if max(counts) > table.num_embeddings:
+            raise ValueError(f"sparsecomm stale replicas: a rank announced {max(counts)} changed rows of table "
+                             f"{name!r}, which has {table.num_embeddings}: a bug or a version mismatch between ranks")
+        n, total = len(counts), sum(counts)
+        busiest = max(max(c * (n - 1), total - c) for c in counts)   # rows sent or received by one rank
+        whole = None if to_scheme is None else max(
+            table.num_embeddings if scheme == "table" else -(-table.num_embeddings // n)
+            for scheme in (table.scheme, to_scheme))
+        if min(counts) < 0 or (whole is not None and busiest > whole):
+            self.drop(name)
+            return None
+        self.rows_sent += which.numel()
+        self.rows_total += owned.numel()
+        packed = torch.cat([c[which.to(c.device)] for c in current], 1)
+        ids, rows = allgather_table_rows(owned[which], packed, copy.weight.shape[0], table.group, complete=False,
+                                         counts=counts)
+        if ids.numel() and int(torch.bincount(ids, minlength=copy.weight.shape[0]).max()) > 1:
+            raise ValueError("sparsecomm stale replicas: two ranks sent the same row: the shards overlap (a bug or "
+                             "a version mismatch between ranks)")
+        at = 0
+        for target in [_rows(copy.weight)] + [_rows(copy.state[n]) for n in names]:
+            width = target.shape[1]
+            target[ids.to(target.device)] = rows[:, at:at + width].to(target)
+            at += width
+        return copy
+
+    def fits(self, name: str, weight: torch.Tensor, state: Dict[str, torch.Tensor]) -> bool:
+        """Whether ``name`` has a copy whose rows are shaped like the table's ``weight`` and ``state`` rows."""
+        copy = self._tables.get(name)
+        if copy is None or set(copy.state) != set(state) or weight.shape[1:] != copy.weight.shape[1:] or \
+                weight.dtype != copy.weight.dtype:
+            return False
+        return all(state[n].shape[1:] == s.shape[1:] and state[n].dtype == s.dtype for n, s in copy.state.items())
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a matrix of its rows (a row state of one value per row is a column)."""
+    width = 1
+    for size in t.shape[1:]:
+        width *= size
+    return t.view(t.shape[0], width)

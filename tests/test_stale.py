@@ -1,0 +1,135 @@
+"""Stale replicas (``sparsecomm.stale``): moves that send only changed rows give the bits of whole-table moves.
+
+The model of tests/test_replan.py goes through a chain of plans that moves
+its tables between replicated, hash, range and table-wise (on the last rank,
+then on rank 0), one training step between plans, twice in one process: with
+stale replicas and without. After every step both equal single-process
+training; at the end they are equal bit for bit, and the stale moves sent
+fewer rows than whole tables. A row (and a row's optimizer state alone)
+edited behind the optimizer's back, as a checkpoint load would, travels too, and ranks that do not all hold a copy
+move whole tables.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import sparsecomm
+from sparsecomm import stale as stale_module
+from sparsecomm.sharded.table import ShardedTable
+from sparsecomm.stale import StaleReplicas, changed_rows
+
+import test_replan as rp
+from distributed import full_weights, spawned_fixture
+
+R, H, G, LAST, FIRST = "replicate", "hash", "range", "table:last", "table:0"
+EDIT_AT = 3
+# a and b meet every pair of placements with a stale copy in hand; c is sparse=False (replicated under Adam).
+PLACES = {"a": [R, H, LAST, G, R, FIRST, H, R],
+          "b": [R, LAST, H, R, G, FIRST, R, H],
+          "c": [R, R, H, LAST, R, G, R, R]}
+
+
+def plan_for(p, places, index, world):
+    for table, where in places.items():
+        at = where[index]
+        if at == R:
+            p.override(table, R)
+        elif at.startswith("table:"):
+            p.override(table, "shard", "table", owner=world - 1 if at == LAST else 0)
+        else:
+            p.override(table, "shard", at)
+    return p
+
+
+def edit_rows(model, opt, ref, index):
+    """Set row 5 of table ``a`` and (Adagrad) row 7's sum, on its owner and in the reference: changes no optimizer
+    step made, the second in the state only. Table ``a`` is sharded when this runs."""
+    value = 0.25 + index
+    t = rp.inner_of(model).a
+    assert isinstance(t, ShardedTable)
+    owned = t.layout.owned_ids()
+    with torch.no_grad():
+        ref.model.a.weight[5] = value
+        t.local_weight[(owned == 5).nonzero().view(-1)] = value
+        ref_state = ref.opts[0].state.get(ref.model.a.weight, {})
+        if "sum" in ref_state:
+            ref_state["sum"][7] = 2.0 + index
+            opt.sharded.state[t.local_weight]["sum"][(owned == 7).nonzero().view(-1)] = 2.0 + index
+
+
+def run_chain(rank, world, name, replicas):
+    cls, kw = rp.OPTIMIZERS[name]
+    net = rp.Net(seed=3 if rank == 0 else 40 + rank)
+    places = {t: ([R] * len(p) if name in rp.LAZY and t == "c" else p) for t, p in PLACES.items()}
+    p0 = sparsecomm.plan(net, small_table_bytes=0)
+    model, opt = sparsecomm.parallelize(net, cls, plan=plan_for(p0, places, 0, world), **kw)
+    ref, sched = rp.Reference(name), rp.scheduler(name, opt)   # the reference steps its own
+    for i in range(len(places["a"])):
+        if i:
+            if i == EDIT_AT:
+                edit_rows(model, opt, ref, i)
+            opt.zero_grad()
+            new_plan = plan_for(copy.deepcopy(rp.inner_of(model).sparsecomm_plan), places, i, world)
+            model, opt = sparsecomm.replan(model, opt, new_plan, stale=replicas)
+        rp.train_step(model, opt, sched, i, rank, world)
+        ref.step(i)
+        rp.assert_same(model, ref.model, f"{name}, world {world}, stale {replicas is not None}, plan {i}")
+    names = {id(p): n for n, p in rp.inner_of(model).named_parameters()}
+    state = {f"{names[id(p)]}.{k}": v for part in opt.parts.values() for p, st in part.state.items()
+             for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() and id(p) in names}
+    assert "a.weight.sum" in state or name != "adagrad"   # a is replicated at the end: its state is whole
+    return {**full_weights(model), **state}
+
+
+def case_same_bits(rank, world, name):
+    """With and without stale replicas: the same bits, fewer rows sent with them."""
+    replicas = StaleReplicas()
+    with_copies = run_chain(rank, world, name, replicas)
+    whole = run_chain(rank, world, name, None)
+    for k in whole:
+        assert torch.equal(with_copies[k], whole[k]), f"{name}: {k} differs between stale and whole moves"
+    if world > 1:
+        assert 0 < replicas.rows_sent < replicas.rows_total, (replicas.rows_sent, replicas.rows_total)
+    return replicas.rows_sent, replicas.rows_total
+
+
+def case_not_everyone(rank, world):
+    """Only rank 0 holds copies: every rank moves whole tables, and trains exactly."""
+    run_chain(rank, world, "adagrad", StaleReplicas() if rank == 0 else None)
+    return True
+
+
+CASES = [(f"same-bits-{n}", case_same_bits, (n,)) for n in ("sgd", "adagrad", "adam")] + \
+        [("not-everyone", case_not_everyone, ())]
+spawned = spawned_fixture(CASES)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_on_ranks(spawned, case):
+    world, out = spawned
+    assert all(out[r][case] for r in range(world)), f"world {world}, {case}"
+
+
+def test_one_rank():
+    sent, total = case_same_bits(0, 1, "adagrad")
+    assert sent <= total
+
+
+def test_changed_rows_compares_bits(monkeypatch):
+    monkeypatch.setattr(stale_module, "_CHUNK_ROWS", 3)   # rows across several chunks
+    old = torch.zeros(10, 2)
+    old[4, 1] = float("nan")
+    ids = torch.tensor([9, 0, 4, 2, 7, 3, 1])
+    cur = old[ids].clone()
+    assert changed_rows(ids, [cur], [old]).tolist() == []        # a NaN equals its own bits
+    cur[1, 0] = -0.0                                             # id 0: 0.0 -> -0.0, equal as numbers
+    cur[4, 1] = 1e-45                                            # id 7: a denormal
+    cur[6, 0] = 1.0                                              # id 1, in the last chunk
+    assert changed_rows(ids, [cur], [old]).tolist() == [1, 4, 6]
+    state, old_state = torch.zeros(7, 1, dtype=torch.float64), torch.zeros(10, 1, dtype=torch.float64)
+    state[2] = 3.0                                               # id 4's state only
+    assert changed_rows(ids, [cur, state], [old, old_state]).tolist() == [1, 2, 4, 6]
