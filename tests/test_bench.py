@@ -390,6 +390,23 @@ def test_e2e_on_one_host_every_method_right(tmp_path):
     assert all(r["#wrong"] == 0 and r["hosts"] == "" and r["link_floor_ms"] == "" for r in rows)
 
 
+def test_migrate_moves_whole_and_stale_to_the_same_bits(tmp_path):
+    js = tmp_path / "migrate.json"
+    out = _bench(["migrate", "--nproc", "2", "--rows", "3000", "--dim", "8", "--batch", "16", "--between", "3",
+                  "--optimizers", "sgd,adagrad", "--timeout", "60", "--json", str(js)], timeout=300)
+    assert out.returncode == 0, _fail(out)
+    rows = _rows(js)
+    moves = ["replicate -> hash", "hash -> table:0", "table:0 -> replicate"]
+    assert [(r["optimizer"], r["move"], r["mode"]) for r in rows] == \
+        [(o, m, mode) for o in ("sgd", "adagrad") for m in moves for mode in ("whole", "stale")]
+    assert all(r["#wrong"] == 0 and r["move_s"] > 0 and r["steps"] > 0 for r in rows)
+    sent = {(r["optimizer"], r["move"], r["mode"]): r["MB_sent"] for r in rows}
+    for o in ("sgd", "adagrad"):
+        assert sent[(o, moves[0], "whole")] == sent[(o, moves[0], "stale")] == 0   # a replica's rows stay
+        for m in moves[1:]:   # a few batches touch a part of the table: the stale moves send less
+            assert 0 < sent[(o, m, "stale")] < sent[(o, m, "whole")], (o, m, sent)
+
+
 @pytest.mark.slow
 def test_e2e_across_two_emulated_hosts(tmp_path):
     from sparsecomm.bench.netns import can_emulate

@@ -16,6 +16,8 @@ BENCHMARKS = {
     "sharded": ("sparsecomm.bench.sharded", "a sharded embedding's training step against TorchRec's row-wise one"),
     "e2e": ("sparsecomm.bench.e2e", "end-to-end training against plain DDP (and TorchRec), on one host or "
                                     "--hosts H emulated hosts"),
+    "migrate": ("sparsecomm.bench.migrate", "moving one large table between placements (replan), whole or from a "
+                                            "stale replica, in steps"),
     "project": ("sparsecomm.bench.project", "fit a time model to emulated-cluster runs and project to 64-128 ranks"),
 }
 
