@@ -24,7 +24,8 @@ The rule, in order (the first that applies):
 4. with a sample batch: the tables predicted cheaper sharded (lookup ids +
    rows + gradients, and the optimizer on U/N rows) than replicated (the
    hook's cheaper path: allgather or partitioned, and the optimizer on all U
-   rows) are sharded together when their summed saving beats the price of
+   rows; the optimizer's time per row measured in the job, in link bytes:
+   :mod:`sparsecomm.prices`) are sharded together when their summed saving beats the price of
    the lookup round's own collectives (3 all-to-alls a step, priced with the
    measured latency of one in bytes); without one: shard (large tables).
 
@@ -56,11 +57,9 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
-from sparsecomm import cost_model
-from sparsecomm.collectives.probe import measure_latency_bytes
 from sparsecomm.collectives.objects import all_gather_objects, world
-from sparsecomm.collectives.transport import wire_index_dtype
 from sparsecomm.ownership import owner_range_size, scheme_of
+from sparsecomm.prices import ROUND_COLLECTIVES, measure_prices, predict
 from sparsecomm.sample_batch import sample_ids, sample_problem
 from sparsecomm.table_wise import place_tables, pools_at_owner
 
@@ -70,12 +69,6 @@ PLACEMENTS = ("replicate", "shard")
 PLAN_FORMAT = "sparsecomm.plan/1"
 # Optimizer state per element of a table: SGD none, Adagrad one sum, Adam two moments.
 _STATE_FACTOR = {"SGD": 0, "Adagrad": 1, "Adam": 2, "SparseAdam": 2}
-# Optimizer work per row, in bytes it touches per byte of row (read/write weight and state), and the
-# price of one such byte in link bytes: memory here is ~15x faster than the loopback link (docs/PARALLELIZE.md).
-_OPT_TOUCH = {"SGD": 2, "Adagrad": 4, "Adam": 6, "SparseAdam": 6}
-OPTIMIZER_BYTE_PRICE = 1 / 16
-# All-to-alls a step of sharded tables costs (ids, rows, gradients), whatever their number.
-ROUND_COLLECTIVES = 3
 
 
 @dataclasses.dataclass
@@ -99,6 +92,8 @@ class TablePlan:
     bag_length: Optional[float] = None          # ids per bag (bag tables, in the sample)
     distinct: Optional[Tuple[int, ...]] = None  # distinct ids per rank in the sample batch
     union: Optional[int] = None
+    optimizer_row_bytes: Optional[float] = None  # one row's optimizer work, in link bytes (sparsecomm.prices)
+    measured_optimizer: bool = False             # that price was timed in the job (else a constant's)
     overridden: bool = False
     blocker: str = ""                # why this table cannot be sharded ("" when it can)
 
@@ -366,17 +361,6 @@ def _describe(name: str, m: nn.Module, n: int, optimizer: str) -> TablePlan:
     return t
 
 
-def _predict(t: TablePlan, m: nn.Module, n: int, distinct: Sequence[int], union: int, optimizer: str) -> None:
-    row = t.embedding_dim * m.weight.element_size()
-    idb = torch.empty(0, dtype=wire_index_dtype(t.num_embeddings)).element_size()
-    k = max(distinct)
-    t.distinct, t.union = tuple(distinct), union
-    touch = _OPT_TOUCH.get(optimizer, 6) * row * OPTIMIZER_BYTE_PRICE
-    sync = min(cost_model.allgather_bytes(n, k, row + idb), cost_model.partitioned_floor_bytes(n, k, union, row + idb))
-    t.bytes_replicated = sync + union * touch
-    t.bytes_sharded = cost_model.sharded_floor_bytes(n, k, row) + (n - 1) / n * k * idb + union / n * touch
-
-
 def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[dist.ProcessGroup] = None,
          memory_budget: Optional[int] = None, optimizer: Any = "SGD", small_table_bytes: int = 4 << 20,
          latency_bytes: Optional[float] = None) -> Plan:
@@ -429,21 +413,30 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
         if theirs != mine:
             raise ValueError(f"sparsecomm.plan: rank {r}'s model has embedding tables {theirs} but this rank's has "
                              f"{mine}: every rank must pass the same model")
+    prices = None
+    if sample is not None and group is not None and all(s is not None for _, s in gathered):
+        # the slowest rank's numbers: the same on every rank
+        prices = measure_prices(group, opt, {(m.embedding_dim, m.weight.dtype) for _, m in modules})
+        latency_bytes = prices.latency_bytes if latency_bytes is None else latency_bytes
     if sample is not None:
         for name, m in modules:
             ids = [s.ids[name] for _, s in gathered]
-            _predict(tables[name], m, n, [x.numel() for x in ids], int(torch.unique(torch.cat(ids)).numel()), opt)
+            predict(tables[name], m.embedding_dim * m.weight.element_size(), n, [x.numel() for x in ids],
+                    int(torch.unique(torch.cat(ids)).numel()), opt, prices)
             if name in sample.bags:
                 counts = [s.bags[name] for _, s in gathered]
                 bags = sum(b for b, _ in counts)
                 tables[name].bags = bags / n
                 tables[name].bag_length = sum(k for _, k in counts) / bags if bags else 0.0
-    if sample is not None and latency_bytes is None and group is not None:
-        latency_bytes = measure_latency_bytes(group)   # the slowest rank's numbers: the same on every rank
     result = Plan(tables, n, opt, memory_budget, latency_bytes)
     _decide(result, small_table_bytes)
     place_tables(result, {name: pools_at_owner(m) for name, m in modules})
     return result
+
+
+def _row_price(t: TablePlan) -> str:
+    how = "measured" if t.measured_optimizer else "priced by a constant"
+    return f"{t.optimizer_row_bytes:.3g} link B/row, {how}"
 
 
 def _decide(p: Plan, small_table_bytes: int) -> None:
@@ -461,10 +454,11 @@ def _decide(p: Plan, small_table_bytes: int) -> None:
             if t.bytes_sharded < t.bytes_replicated:
                 t.placement = "shard"
                 t.reason = (f"predicted {t.bytes_sharded:.3g} B/step sharded < {t.bytes_replicated:.3g} replicated "
-                            f"(optimizer on {t.union}/{p.world_size} rows)")
+                            f"(optimizer on {t.union}/{p.world_size} rows at {_row_price(t)})")
             else:
                 t.placement = "replicate"
-                t.reason = f"predicted {t.bytes_replicated:.3g} B/step replicated <= {t.bytes_sharded:.3g} sharded"
+                t.reason = (f"predicted {t.bytes_replicated:.3g} B/step replicated <= {t.bytes_sharded:.3g} sharded "
+                            f"(optimizer on {t.union} rows at {_row_price(t)})")
         else:
             t.placement = "shard"
             t.reason = (f"large ({_mib(t.memory_replicated)} MiB replicated): 1/{p.world_size} of the rows and "
