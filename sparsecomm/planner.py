@@ -49,7 +49,7 @@ import json
 import math
 import os
 import textwrap
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist

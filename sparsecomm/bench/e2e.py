@@ -368,6 +368,17 @@ def _trial_columns(trial: Optional[Dict[str, Any]], step: float) -> Dict[str, An
             "trial_cost": f"{100 * extra / (1000 * step):.1f}%"}
 
 
+def add_optimizers_arg(p: argparse.ArgumentParser, default: str) -> None:
+    """``--optimizers``: the rules to train with, one run each (names of :data:`OPTIMIZERS`)."""
+    p.add_argument("--optimizers", default=default, help="comma-separated sgd|adagrad|adam (default: %(default)s)")
+
+
+def check_optimizers(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    for o in a.optimizers.split(","):
+        if o not in OPTIMIZERS:
+            p.error(f"--optimizers: unknown optimizer {o!r}")
+
+
 def run(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(argv or [])
     p = argparse.ArgumentParser(prog="sparsecomm.bench e2e", description=__doc__,
@@ -377,16 +388,13 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=512, help="samples per rank per step (default: %(default)s)")
     p.add_argument("--bag", type=int, default=8, help="ids per sample and table (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=1.1, help="Zipf exponent of the ids (default: %(default)s)")
-    p.add_argument("--optimizers", default="sgd,adagrad", help="comma-separated sgd|adagrad|adam "
-                                                              "(default: %(default)s)")
+    add_optimizers_arg(p, "sgd,adagrad")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     p.add_argument("--tolerance", type=float, default=1e-4, help="of the float64 check (default: %(default)s)")
     add_launch_args(p)
     a = p.parse_args(argv)
-    for o in a.optimizers.split(","):
-        if o not in OPTIMIZERS:
-            p.error(f"--optimizers: unknown optimizer {o!r}")
+    check_optimizers(p, a)
     if a.warmup < 1:
         p.error("--warmup must be at least 1 (the checked step)")
     return run_distributed("e2e", argv, a, body, "end-to-end DLRM-like training (slowest rank's medians)",

@@ -39,14 +39,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import sparsecomm
+from sparsecomm.bench.e2e import OPTIMIZERS, add_optimizers_arg, check_optimizers
 from sparsecomm.bench.harness import Row, progress
 from sparsecomm.bench.launch import add_launch_args, emulated_link, run_distributed
 from sparsecomm.stale import StaleReplicas
 from sparsecomm.synthetic import zipf_ids
 
-OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.05)),
-              "adagrad": (torch.optim.Adagrad, dict(lr=0.05, initial_accumulator_value=0.1)),
-              "adam": (torch.optim.Adam, dict(lr=0.01))}
 STATE_ROWS = {"sgd": 0, "adagrad": 1, "adam": 2}   # rows of optimizer state that move with each table row
 MODES = ("whole", "stale")
 # Where the table is after each move (the first entry: where it starts).
@@ -202,13 +200,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--bag", type=int, default=8, help="ids per bag (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=1.1, help="Zipf exponent of the ids (default: %(default)s)")
     p.add_argument("--between", type=int, default=10, help="steps at each placement (default: %(default)s)")
-    p.add_argument("--optimizers", default="sgd,adam", help="comma-separated sgd|adagrad|adam "
-                                                            "(default: %(default)s)")
+    add_optimizers_arg(p, "sgd,adam")
     add_launch_args(p)
     a = p.parse_args(argv)
-    for o in a.optimizers.split(","):
-        if o not in OPTIMIZERS:
-            p.error(f"--optimizers: unknown optimizer {o!r}")
+    check_optimizers(p, a)
     if a.between < 2 or a.rows < 1 or a.dim < 1:
         p.error("--between must be at least 2, --rows and --dim at least 1")
     return run_distributed("migrate", argv, a, body, "moving one table (slowest rank)",
