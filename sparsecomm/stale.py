@@ -154,9 +154,10 @@ class StaleReplicas:
         names = sorted(mine)
         current = [_rows(table.local_weight.detach())] + [_rows(mine[n]) for n in names]
         owned = table.layout.owned_ids()
-        which = None
+        which, stale = None, None
         if copy is not None and self.fits(name, table.local_weight, mine):
-            which = changed_rows(owned, current, [_rows(copy.weight)] + [_rows(copy.state[n]) for n in names])
+            stale = [_rows(copy.weight)] + [_rows(copy.state[n]) for n in names]   # views: patched in place below
+            which = changed_rows(owned, current, stale)
         counts = [int(c) for c in all_gather_objects(-1 if which is None else which.numel(), table.group)]
         if max(counts) > table.num_embeddings:
             raise ValueError(f"sparsecomm stale replicas: a rank announced {max(counts)} changed rows of table "
@@ -178,7 +179,7 @@ class StaleReplicas:
             raise ValueError("sparsecomm stale replicas: two ranks sent the same row: the shards overlap (a bug or "
                              "a version mismatch between ranks)")
         at = 0
-        for target in [_rows(copy.weight)] + [_rows(copy.state[n]) for n in names]:
+        for target in stale:
             width = target.shape[1]
             target[ids.to(target.device)] = rows[:, at:at + width].to(target)
             at += width
