@@ -58,10 +58,11 @@ class TableSpec:
                    m.padding_idx, getattr(m, "mode", "mean"), getattr(m, "include_last_offset", False),
                    getattr(m, "sparse", getattr(m, "replica_sparse", True)), getattr(m, "grad_reduction", "mean"))
 
-    def sharded(self, weight: torch.Tensor, where: Where, group, seed: int) -> ShardedTable:
-        """The sharded table holding this rank's rows of ``weight`` (a full table, the same on every rank)."""
+    def sharded(self, weight: torch.Tensor, where: Where, group, seed: int, adopt: bool = False) -> ShardedTable:
+        """The sharded table holding this rank's rows of ``weight`` (a full table, the same on every rank);
+        ``adopt``: a shard of every row (table-wise owner) is ``weight``'s memory itself, not a copy."""
         common = dict(scheme=where.scheme, owner=where.owner, group=group, grad_reduction=self.grad_reduction,
-                      seed=seed, dtype=weight.dtype, device=weight.device, _weight=weight)
+                      seed=seed, dtype=weight.dtype, device=weight.device, _weight=weight, _adopt=adopt)
         if self.bag:
             table: ShardedTable = ShardedEmbeddingBag(self.num_embeddings, self.embedding_dim, self.mode,
                                                       include_last_offset=self.include_last_offset,

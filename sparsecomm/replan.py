@@ -53,7 +53,7 @@ from sparsecomm.sharded import dcp
 from sparsecomm.sharded.combined import Incoming, OptimizerSpec, ParallelOptimizer, check_optimizer
 from sparsecomm.sharded.model import flush, group_tables, sharded_modules
 from sparsecomm.sharded.table import ShardedTable
-from sparsecomm.stale import StaleReplicas
+from sparsecomm.stale import StaleReplicas, same_memory
 
 __all__ = ["replan", "REPLICATE", "ReplanBusy"]
 
@@ -82,9 +82,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def _has_grad(g: Optional[torch.Tensor]) -> bool:
-    if g is None:
-        return False
-    return g._nnz() > 0 if g.is_sparse else bool(g.any())
+    return g is not None and (g._nnz() > 0 if g.is_sparse else bool(g.any()))
 
 
 def _busy(optimizer: ParallelOptimizer, inner: nn.Module) -> Optional[str]:
@@ -249,10 +247,11 @@ def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, where: Where, 
     """
     part, _ = _group_of(optimizer, m.weight)
     state = optimizer.parts[part].state.get(m.weight, {})
-    table = TableSpec.of(m).sharded(m.weight.detach(), where, group, seed=0)
+    table = TableSpec.of(m).sharded(m.weight.detach(), where, group, seed=0, adopt=stale is not None)
     owned = table.layout.owned_ids()
     names = [n for n in optimizer.spec.part_class("sharded").row_state_names if n in state]
-    rows = {n: _copy_rows(state[n], owned) for n in names}
+    same = same_memory(table.local_weight, m.weight)   # a table-wise owner's shard is the kept replica
+    rows = {n: state[n] if same else _copy_rows(state[n], owned) for n in names}
     if stale is not None:
         stale.keep(name, m.weight, {n: state[n] for n in names})
     return Moved(name, table, _incoming(optimizer, m.weight, table, "sharded", {"step": _step_of(state), **rows}))
@@ -292,9 +291,10 @@ def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, where: Wh
     w = t.local_weight
     copy = stale.current(name, t, sharded, to_scheme=where.scheme) if stale is not None and name in stale else None
     if copy is not None:
-        new = TableSpec.of(t).sharded(copy.weight, where, group, seed=t.seed)
+        new = TableSpec.of(t).sharded(copy.weight, where, group, seed=t.seed, adopt=True)
         owned = new.layout.owned_ids()
-        moved = {n: _copy_rows(s, owned) for n, s in copy.state.items()}   # copies: the stale one stays as it is
+        same = same_memory(new.local_weight, copy.weight)   # a table-wise owner's shard is the copy (writes logged)
+        moved = {n: s if same else _copy_rows(s, owned) for n, s in copy.state.items()}
         return Moved(name, new, _incoming(optimizer, t.weight, new, "sharded",
                                           {"step": int(sharded.state[w]["step"]), **moved}))
     # A table of zeros without its memory: the new table's rows come from the old one's below.
@@ -492,6 +492,8 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
     for m in moved:
         _replace(inner, m.name, m.module)
     optimizer.regroup(_wanted(inner, new_plan, optimizer.spec), [m.incoming for m in moved])
+    for m in moved if stale is not None else ():
+        stale.watch(m.name, m.module, optimizer.sharded)   # a shard's next move sends the rows written from now on
     _regroup(inner, old_sets, new_plan)
     if any(old.replicated or new.replicated for _, old, new in moves):
         model = _wrap(model, inner, process_group, n, ddp_kwargs, hook_options)

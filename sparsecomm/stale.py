@@ -7,14 +7,17 @@ hundred MB. A placement trial (:mod:`sparsecomm.trial`) makes such moves a few
 steps apart, between placements that touch a small part of the table.
 :class:`StaleReplicas` keeps, when a table leaves its replica, that replica's
 weight and row state (the replica's own tensors: no copy). It is the same on
-every rank. When the table moves again, each owner compares its rows with
-its stale copy, bit for bit (NaNs and signed zeros included), and only the
-rows that differ travel, in one all-gather. Every rank then patches its
-copy and holds the whole current table, weight and state, from which the
-next placement is cut locally. The result is the same bits as a move of the
-whole table, whatever changed the rows (optimizer steps, a checkpoint load,
-a user's edit), because the comparison, not a log of updates, decides what
-is sent.
+every rank. When the table moves again, only the rows that changed since
+travel, in one all-gather. Every rank then patches its copy and holds the
+whole current table, weight and state, from which the next placement is cut
+locally (a table-wise owner's shard is the copy's memory itself: no copy).
+Which rows changed: the shard's row log (:mod:`sparsecomm.sharded.row_log`)
+of the rows the owner-side optimizer wrote, while the versions of the
+shard's tensors show that nothing else wrote them; after any other write
+(a checkpoint load, a user's edit) each owner compares its rows with the
+copy, bit for bit (NaNs and signed zeros included), and a shard that is its
+copy's memory sends every row. The result is the same bits as a move of
+the whole table.
 
 Trust: the copies stay equal on every rank because they start from
 replicas that DDP keeps equal and change only by the same all-gather
@@ -23,8 +26,10 @@ rank holds one of the same shape (agreed in its one all-gather of objects),
 and moves the whole table otherwise.
 
 Cost: the replicated placement's memory for every table kept (a trial starts
-replicated, so it adds nothing to the trial's peak), and one bit comparison
-of each owner's rows per move.
+replicated, so it adds nothing to the trial's peak), a bool per row of the
+log, and one bit comparison of each owner's rows only after writes the log
+was not told of. Writes that bypass torch's version counter (``.data``,
+``.numpy()``) are not seen: call :meth:`StaleReplicas.drop` after them.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ import torch
 from sparsecomm import ops
 from sparsecomm.collectives.objects import all_gather_objects
 from sparsecomm.collectives.sharded_exchange import allgather_table_rows
+from sparsecomm.sharded.row_log import RowLog
 
-__all__ = ["StaleReplicas", "StaleTable"]
+__all__ = ["StaleReplicas", "StaleTable", "same_memory"]
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK_ROWS = 1 << 16   # rows compared at a time: bounds the gathered copy of the stale rows
@@ -92,15 +98,22 @@ class StaleReplicas:
     Attributes:
         rows_sent: rows this rank has sent to refresh copies (all moves together).
         rows_total: rows a whole-table move would have sent from this rank instead.
+        rows_compared: rows compared bit by bit with the copy (where a shard's row log could not answer).
     """
 
     def __init__(self) -> None:
         self._tables: Dict[str, StaleTable] = {}
+        self._logs: Dict[str, RowLog] = {}   # the row log of each copy's current shard (set by watch)
         self.rows_sent = 0
         self.rows_total = 0
+        self.rows_compared = 0
 
     def __contains__(self, name: str) -> bool:
         return name in self._tables
+
+    def get(self, name: str) -> Optional[StaleTable]:
+        """``name``'s copy, or None."""
+        return self._tables.get(name)
 
     def names(self) -> Dict[str, tuple]:
         """Every copy's table name with its shape (what ranks agree on before using them)."""
@@ -115,13 +128,16 @@ class StaleReplicas:
         """Keep ``weight`` and ``state`` (whole tables, equal on every rank, no longer updated) as ``name``'s copy."""
         self._tables[name] = StaleTable(weight.detach().contiguous(),
                                         {n: s.detach().contiguous() for n, s in state.items()})
+        self._logs.pop(name, None)
 
     def drop(self, name: Optional[str] = None) -> None:
         """Forget ``name``'s copy (every copy: None)."""
         if name is None:
             self._tables.clear()
+            self._logs.clear()
         else:
             self._tables.pop(name, None)
+            self._logs.pop(name, None)
 
     def current(self, name: str, table: Any, optimizer: Any, to_scheme: Optional[str] = None
                 ) -> Optional[StaleTable]:
@@ -157,7 +173,7 @@ class StaleReplicas:
         which, stale = None, None
         if copy is not None and self.fits(name, table.local_weight, mine):
             stale = [_rows(copy.weight)] + [_rows(copy.state[n]) for n in names]   # views: patched in place below
-            which = changed_rows(owned, current, stale)
+            which = self._changed(name, table, owned, current, stale, [table.local_weight] + [mine[n] for n in names])
         counts = [int(c) for c in all_gather_objects(-1 if which is None else which.numel(), table.group)]
         if max(counts) > table.num_embeddings:
             raise ValueError(f"sparsecomm stale replicas: a rank announced {max(counts)} changed rows of table "
@@ -185,6 +201,30 @@ class StaleReplicas:
             at += width
         return copy
 
+    def _changed(self, name: str, table: Any, owned: torch.Tensor, current: Sequence[torch.Tensor],
+                 stale: Sequence[torch.Tensor], watched: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Positions of this rank's rows that differ from the copy: the log's when it saw every write since the
+        copy was current, every row of a shard that is the copy's memory when it did not, else the bits compared."""
+        log = self._logs.get(name)
+        if log is not None and table.row_log is log:
+            if log.complete(watched):
+                return log.slots().to(owned.device)
+            if log.aliased:
+                return torch.arange(owned.numel(), device=owned.device)
+        self.rows_compared += owned.numel()
+        return changed_rows(owned, current, stale)
+
+    def watch(self, name: str, table: Any, optimizer: Any) -> None:
+        """Log the rows the library writes into ``table`` (``name``'s shard, just cut from its current copy) from
+        now on, so that its next move sends them without comparing (:mod:`sparsecomm.sharded.row_log`)."""
+        copy = self._tables.get(name)
+        if copy is None or not hasattr(table, "row_log"):   # no copy, or a replica (its copy is dropped)
+            return
+        state = optimizer.state.get(table.local_weight, {})
+        watched = [table.local_weight] + [state[n] for n in sorted(optimizer.row_state_names) if n in state]
+        table.row_log = RowLog(watched, aliased=same_memory(table.local_weight, copy.weight))
+        self._logs[name] = table.row_log
+
     def fits(self, name: str, weight: torch.Tensor, state: Dict[str, torch.Tensor]) -> bool:
         """Whether ``name`` has a copy whose rows are shaped like the table's ``weight`` and ``state`` rows."""
         copy = self._tables.get(name)
@@ -192,6 +232,11 @@ class StaleReplicas:
                 weight.dtype != copy.weight.dtype:
             return False
         return all(state[n].shape[1:] == s.shape[1:] and state[n].dtype == s.dtype for n, s in copy.state.items())
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether non-empty ``a`` lives in ``b``'s memory (a shard that is its stale copy)."""
+    return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,9 @@ then on rank 0), one training step between plans, twice in one process: with
 stale replicas and without. After every step both equal single-process
 training; at the end they are equal bit for bit, and the stale moves sent
 fewer rows than whole tables. A row (and a row's optimizer state alone)
-edited behind the optimizer's back, as a checkpoint load would, travels too, and ranks that do not all hold a copy
-move whole tables.
+edited behind the optimizer's back, as a checkpoint load would, travels too (the shard's row log sees the
+write through the tensor's version and gives way to the comparison), and ranks that do not all hold a copy
+move whole tables. A table-wise owner's shard is its copy's memory.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 import sparsecomm
 from sparsecomm import stale as stale_module
 from sparsecomm.sharded.table import ShardedTable
-from sparsecomm.stale import StaleReplicas, changed_rows
+from sparsecomm.sharded.row_log import RowLog
+from sparsecomm.stale import StaleReplicas, changed_rows, same_memory
 
 import test_replan as rp
 from distributed import full_weights, spawned_fixture
@@ -75,6 +77,9 @@ def run_chain(rank, world, name, replicas):
             opt.zero_grad()
             new_plan = plan_for(copy.deepcopy(rp.inner_of(model).sparsecomm_plan), places, i, world)
             model, opt = sparsecomm.replan(model, opt, new_plan, stale=replicas)
+            t = rp.inner_of(model).a
+            if replicas is not None and isinstance(t, ShardedTable) and t.owner == rank and "a" in replicas:
+                assert same_memory(t.local_weight, replicas.get("a").weight), "a table-wise owner's shard is a copy"
         rp.train_step(model, opt, sched, i, rank, world)
         ref.step(i)
         rp.assert_same(model, ref.model, f"{name}, world {world}, stale {replicas is not None}, plan {i}")
@@ -94,6 +99,8 @@ def case_same_bits(rank, world, name):
         assert torch.equal(with_copies[k], whole[k]), f"{name}: {k} differs between stale and whole moves"
     if world > 1:
         assert 0 < replicas.rows_sent < replicas.rows_total, (replicas.rows_sent, replicas.rows_total)
+        # The row logs answered most moves; the edited tables were compared (or, aliased, sent whole).
+        assert replicas.rows_compared < replicas.rows_total, (replicas.rows_compared, replicas.rows_total)
     return replicas.rows_sent, replicas.rows_total
 
 
@@ -133,3 +140,19 @@ def test_changed_rows_compares_bits(monkeypatch):
     state, old_state = torch.zeros(7, 1, dtype=torch.float64), torch.zeros(10, 1, dtype=torch.float64)
     state[2] = 3.0                                               # id 4's state only
     assert changed_rows(ids, [cur, state], [old, old_state]).tolist() == [1, 2, 4, 6]
+
+
+def test_row_log_sees_writes_it_is_not_told_of():
+    w, s = torch.zeros(6, 2), torch.zeros(6)
+    log = RowLog([w, s])
+    assert log.complete([w, s]) and log.slots().tolist() == []
+    w[3] += 1.0
+    assert not log.complete([w, s])                     # a write it was not told of
+    log.mark(torch.tensor([3, 1]))
+    assert log.complete([w, s]) and log.slots().tolist() == [1, 3]
+    s[0] = 2.0                                          # the state alone
+    assert not log.complete([w, s])
+    log.mark(torch.tensor([0]))
+    assert not log.complete([w, s.clone()])             # a replaced state tensor
+    assert not log.complete([w])
+    assert log.complete([w, s]) and log.slots().tolist() == [0, 1, 3]

@@ -190,16 +190,18 @@ class HotRows:
     def clear_gradient(self) -> None:
         self._grad = []
 
-    def write_through(self, weight: torch.Tensor, state: Dict[str, Any], positions: torch.Tensor) -> None:
-        """Copy updated hot rows (and their optimizer state) into this rank's shard where it owns them."""
+    def write_through(self, weight: torch.Tensor, state: Dict[str, Any], positions: torch.Tensor) -> torch.Tensor:
+        """Copy updated hot rows (and their optimizer state) into this rank's shard where it owns them; return the
+        slots written."""
         slots = self.owned_slots[positions]
         mine = slots >= 0
         if not bool(mine.any()):
-            return
+            return slots[:0]
         slots, positions = slots[mine], positions[mine]
         weight.index_copy_(0, slots, self.weight.index_select(0, positions))
         for name, rows in self.state.items():
             state[name].index_copy_(0, slots, rows.index_select(0, positions))
+        return slots
 
     def drop(self) -> None:
         """Empty the hot set on this rank (after its shard or optimizer state was replaced)."""

@@ -80,6 +80,14 @@ def _table_of(t: Any) -> ShardedTable:
     return table
 
 
+def _logged(p: torch.Tensor, slots: torch.Tensor) -> None:
+    """Tell shard ``p``'s row log (if a stale replica keeps one: :mod:`sparsecomm.sharded.row_log`) that rows
+    ``slots`` of its weight and state were just written."""
+    log = _table_of(p).row_log
+    if log is not None:
+        log.mark(slots)
+
+
 def _weights(items: Any) -> List[torch.Tensor]:
     """The tables' ``weight`` stand-ins, what a param group lists (from tables, modules or either tensor)."""
     if isinstance(items, (nn.Module, torch.Tensor)):
@@ -182,6 +190,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not coalesced:
             slots, rows = ops.coalesce_rows(slots.contiguous(), rows.contiguous(), p.shape[0])
         self._update(group, p, state, slots, rows)
+        _logged(p, slots)
 
     @torch.no_grad()
     def apply_hot(self, table: ShardedTable, positions: torch.Tensor, rows: torch.Tensor) -> None:
@@ -199,7 +208,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         hot = table.hot
         self._update(group, hot.weight, dict(hot.state, step=state["step"]), positions, rows)
-        hot.write_through(p, state, positions)
+        _logged(p, hot.write_through(p, state, positions))
 
     def _step_hot(self, p: torch.Tensor) -> None:
         table = _table_of(p)
@@ -230,6 +239,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``incoming``) gets ``incoming``'s ``step`` and row tensors (this
         rank's rows, slot order; a rule's tensor left out starts as a new
         table's would); tables left out are dropped with their state.
+        An incoming row tensor of the state's shape, dtype and device that is
+        contiguous becomes the state itself (the caller hands it over: no
+        copy); another is copied into new state.
 
         Raises:
             ValueError: the optimizer has several param groups.
@@ -250,14 +262,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if id(t) not in incoming:
                 continue
             self._tables[id(t.weight)] = t
-            state = self._init_state(t.local_weight, group)
-            for name, rows in incoming[id(t)].items():
-                if name == "step":
-                    state["step"] = int(rows)
-                elif name in self.row_state_names:
-                    state[name].copy_(rows)
-            self.state[t.local_weight] = state
+            self.state[t.local_weight] = self._incoming_state(t.local_weight, group, incoming[id(t)])
             t.attach_optimizer(self)
+
+    def _incoming_state(self, p: torch.Tensor, group: Dict[str, Any], rows: Dict[str, Any]) -> Dict[str, Any]:
+        """``set_tables``' state for shard ``p`` from ``rows``: tensors that fit taken over, the rest new."""
+        given = {n: r for n, r in rows.items() if n in self.row_state_names}
+        fresh = self._init_state(p, group) if set(self.row_state_names) - set(given) else {}
+        state = {"step": int(rows.get("step", 0))}
+        for name in self.row_state_names:
+            if name not in given:
+                state[name] = fresh[name]
+                continue
+            r = given[name]
+            like = fresh.get(name)
+            shape = tuple(like.shape) if like is not None else self._state_shape(p, name)
+            if tuple(r.shape) == shape and r.dtype == p.dtype and r.device == p.device and r.is_contiguous():
+                state[name] = r
+            else:
+                state[name] = (like if like is not None else _rows_like(p, shape)).copy_(r)
+        return state
+
+    def _state_shape(self, p: torch.Tensor, name: str) -> Tuple[int, ...]:
+        """The shape of row state ``name`` of shard ``p`` (the shard's own; a rule keeping one value per row
+        says otherwise)."""
+        return tuple(p.shape)
 
     def tables(self) -> List[ShardedTable]:
         """The sharded tables this optimizer updates, in param-group order."""
@@ -302,6 +331,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         slots, values = ops.coalesce_rows(grad._indices()[0].contiguous(),
                                                           grad._values().contiguous(), p.shape[0])
                     self._update(group, p, state, slots, values)
+                    _logged(p, slots)
                 self._step_hot(p)  # after the shard's rows: the hot rows write through into it
         return loss
 
@@ -371,6 +401,9 @@ class ShardedAdagrad(ShardedOptimizer):
                                       initial_accumulator_value=initial_accumulator_value), fused, defer)
 
     row_state_names = ("sum",)
+
+    def _state_shape(self, p, name):
+        return tuple(p.shape[:1] if self.rowwise else p.shape)
 
     def _init_state(self, p, group):
         shape = p.shape[:1] if self.rowwise else p.shape

@@ -50,6 +50,7 @@ from sparsecomm.sharded.inputs import check_ids
 from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.sharded.lookup import TableSet
 from sparsecomm.sharded.pending import Lookup, Prefetched
+from sparsecomm.sharded.row_log import RowLog
 from sparsecomm.types import PartitionScheme, SparseSyncStats
 
 __all__ = ["ShardedTable", "STATE_FORMAT", "KIND_EMBEDDING", "KIND_BAG", "left_out_of_state_dicts"]
@@ -81,7 +82,7 @@ class ShardedTable(nn.Module):
                  scheme: str = "hash", owner: Optional[int] = None, group=None, grad_reduction: str = "mean",
                  seed: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None,
                  hot_rows: Optional[HotRowConfig] = None, _weight: Optional[torch.Tensor] = None,
-                 _freeze: bool = False) -> None:
+                 _freeze: bool = False, _adopt: bool = False) -> None:
         super().__init__()
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
@@ -117,7 +118,13 @@ class ShardedTable(nn.Module):
         # Alone in an eager set until grouped (sparsecomm.sharded.model.group_tables).
         self._set = TableSet([self], lazy=False, stats=self.stats)
         self._optimizer: Optional[weakref.ref] = None
-        self.local_weight = ops.empty_rows((self.layout.num_local, embedding_dim), dtype, device)   # huge pages
+        # _adopt: a shard of the whole table (table-wise owner) is _weight's own memory, not a copy of it.
+        adopted = _adopt and _weight is not None and self.layout.num_local == num_embeddings and \
+            _weight.is_contiguous() and _weight.dtype == dtype and _weight.device == device
+        self.local_weight = _weight.detach() if adopted else \
+            ops.empty_rows((self.layout.num_local, embedding_dim), dtype, device)   # huge pages
+        # Rows written since a stale replica's copy was current (sparsecomm.stale sets it), or None.
+        self.row_log: Optional[RowLog] = None
         # The table's name in state dicts and optimizers (see the module docstring); never holds rows.
         self.weight = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=False)
         self.weight._sparsecomm_table = weakref.ref(self)
@@ -125,9 +132,9 @@ class ShardedTable(nn.Module):
         # Replicated hot rows (sparsecomm.sharded.hot), or None.
         self.hot: Optional[HotRows] = HotRows(hot_rows, embedding_dim, dtype, device) \
             if hot_rows is not None and hot_rows.budget_bytes > 0 else None
-        if _weight is not None:
+        if _weight is not None and not adopted:
             self.load_full_weight(_weight)
-        else:
+        elif _weight is None:
             self.reset_parameters()
         self.local_weight.requires_grad_(not _freeze)
         self.local_weight._sparsecomm_table = weakref.ref(self)
