@@ -39,6 +39,38 @@ void partition_rows(const void* ids, IndexType it, int64_t n, int64_t num_rows, 
       counts);
 }
 
+// Bit j of words[w] is set when id 64 * w + j (< num_rows) belongs to `rank` under `map`: the owned-id bitmap
+// of a sharded table's layout, in one pass over the ids, none of them materialized.
+void owned_bitmap(int64_t num_rows, const OwnerMap& map, int64_t rank, int64_t* words, int threads) {
+  check_owner_map(map);
+  const int64_t nwords = (num_rows + 63) / 64;
+#pragma omp parallel for num_threads(clamp_threads(threads)) schedule(static)
+  for (int64_t w = 0; w < nwords; ++w) {
+    const int64_t lo = w * 64;
+    const int64_t hi = lo + 64 < num_rows ? lo + 64 : num_rows;
+    uint64_t bits = 0;
+    for (int64_t id = lo; id < hi; ++id)
+      bits |= static_cast<uint64_t>(row_owner(id, map) == rank) << (id - lo);
+    std::memcpy(words + w, &bits, sizeof bits);
+  }
+}
+
+// The ids whose bits are set in words[0, nwords), ascending, into out (at most capacity of them); returns how
+// many bits are set (more than capacity: the ids past it are not written).
+int64_t bitmap_ids(const int64_t* words, int64_t nwords, int64_t* out, int64_t capacity) {
+  int64_t at = 0;
+  for (int64_t w = 0; w < nwords; ++w) {
+    uint64_t bits;
+    std::memcpy(&bits, words + w, sizeof bits);
+    while (bits) {
+      if (at < capacity) out[at] = w * 64 + __builtin_ctzll(bits);
+      ++at;
+      bits &= bits - 1;
+    }
+  }
+  return at;
+}
+
 // ---- binding ----
 
 SPARSECOMM_BIND(partition) {
@@ -65,6 +97,25 @@ SPARSECOMM_BIND(partition) {
           return row_owner(id, map);
         },
         "Owner of one id (for tests and diagnostics).");
+
+  m.def("owned_bitmap",
+        [](int64_t num_rows, int scheme, int64_t num_owners, int64_t range_size, int64_t stride, int64_t rank,
+           uintptr_t words, int threads) {
+          const OwnerMap map{scheme, num_owners, range_size, stride};
+          py::gil_scoped_release release;
+          owned_bitmap(num_rows, map, rank, ptr<int64_t>(words), threads);
+        },
+        py::arg("num_rows"), py::arg("scheme"), py::arg("num_owners"), py::arg("range_size"), py::arg("stride"),
+        py::arg("rank"), py::arg("words"), py::arg("threads"),
+        "Bitmap of the ids in [0, num_rows) that rank owns: ceil(num_rows / 64) int64 words.");
+
+  m.def("bitmap_ids",
+        [](uintptr_t words, int64_t nwords, uintptr_t out, int64_t capacity) {
+          py::gil_scoped_release release;
+          return bitmap_ids(ptr<int64_t>(words), nwords, ptr<int64_t>(out), capacity);
+        },
+        py::arg("words"), py::arg("nwords"), py::arg("out"), py::arg("capacity"),
+        "The set bits' ids, ascending, into out (at most capacity); returns the number of set bits.");
 }
 
 }  // namespace sparsecomm

@@ -248,9 +248,9 @@ def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, where: Where, 
     part, _ = _group_of(optimizer, m.weight)
     state = optimizer.parts[part].state.get(m.weight, {})
     table = TableSpec.of(m).sharded(m.weight.detach(), where, group, seed=0, adopt=stale is not None)
-    owned = table.layout.owned_ids()
     names = [n for n in optimizer.spec.part_class("sharded").row_state_names if n in state]
-    same = same_memory(table.local_weight, m.weight)   # a table-wise owner's shard is the kept replica
+    same = same_memory(table.local_weight, m.weight)   # a table-wise owner's or a spread shard is the replica
+    owned = None if same else table.layout.owned_ids()
     rows = {n: state[n] if same else _copy_rows(state[n], owned) for n in names}
     if stale is not None:
         stale.keep(name, m.weight, {n: state[n] for n in names})
@@ -268,7 +268,7 @@ def _replicate(name: str, t: ShardedTable, optimizer: ParallelOptimizer, stale: 
     if copy is not None:
         weight, whole = copy.weight, dict(copy.state)
     else:
-        packed = torch.cat([t.local_weight.detach()] + [state[n] for n in names], 1)
+        packed = torch.cat([t.layout.owned_rows(x) for x in [t.local_weight.detach()] + [state[n] for n in names]], 1)
         ids, rows = allgather_table_rows(t.layout.owned_ids(), packed, t.num_embeddings, t.group)
         full = torch.empty((t.num_embeddings, packed.shape[1]), dtype=rows.dtype, device=rows.device)
         full[ids.to(rows.device)] = rows
@@ -292,8 +292,8 @@ def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, where: Wh
     copy = stale.current(name, t, sharded, to_scheme=where.scheme) if stale is not None and name in stale else None
     if copy is not None:
         new = TableSpec.of(t).sharded(copy.weight, where, group, seed=t.seed, adopt=True)
-        owned = new.layout.owned_ids()
-        same = same_memory(new.local_weight, copy.weight)   # a table-wise owner's shard is the copy (writes logged)
+        same = same_memory(new.local_weight, copy.weight)   # a table-wise owner's or a spread shard is the copy
+        owned = None if same else new.layout.owned_ids()
         moved = {n: s if same else _copy_rows(s, owned) for n, s in copy.state.items()}
         return Moved(name, new, _incoming(optimizer, t.weight, new, "sharded",
                                           {"step": int(sharded.state[w]["step"]), **moved}))

@@ -10,7 +10,10 @@ weight and row state (the replica's own tensors: no copy). It is the same on
 every rank. When the table moves again, only the rows that changed since
 travel, in one all-gather. Every rank then patches its copy and holds the
 whole current table, weight and state, from which the next placement is cut
-locally (a table-wise owner's shard is the copy's memory itself: no copy).
+locally, with nothing copied: a table-wise owner's shard is the copy's
+memory itself, and a hash shard spreads over it (its slots are its ids, and
+the rows other ranks own stay the copy's; :mod:`sparsecomm.sharded.layout`).
+Moving out of a replica therefore writes nothing and allocates nothing.
 Which rows changed: the shard's row log (:mod:`sparsecomm.sharded.row_log`)
 of the rows the owner-side optimizer wrote, while the versions of the
 shard's tensors show that nothing else wrote them; after any other write
@@ -189,9 +192,11 @@ class StaleReplicas:
         self.rows_sent += which.numel()
         self.rows_total += owned.numel()
         packed = torch.cat([c[which.to(c.device)] for c in current], 1)
-        ids, rows = allgather_table_rows(owned[which], packed, copy.weight.shape[0], table.group, complete=False,
+        mine = which if table.layout.spread else owned[which]   # a spread shard's slots are its ids
+        ids, rows = allgather_table_rows(mine, packed, copy.weight.shape[0], table.group, complete=False,
                                          counts=counts)
-        if ids.numel() and int(torch.bincount(ids, minlength=copy.weight.shape[0]).max()) > 1:
+        ordered = torch.sort(ids).values   # sorting the rows sent, not counting into a table-sized array
+        if bool((ordered[1:] == ordered[:-1]).any()):
             raise ValueError("sparsecomm stale replicas: two ranks sent the same row: the shards overlap (a bug or "
                              "a version mismatch between ranks)")
         at = 0
@@ -203,14 +208,14 @@ class StaleReplicas:
 
     def _changed(self, name: str, table: Any, owned: torch.Tensor, current: Sequence[torch.Tensor],
                  stale: Sequence[torch.Tensor], watched: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Positions of this rank's rows that differ from the copy: the log's when it saw every write since the
-        copy was current, every row of a shard that is the copy's memory when it did not, else the bits compared."""
+        """Slots of this rank's rows that differ from the copy: the log's when it saw every write since the
+        copy was current, every owned slot of a shard that is the copy's memory when it did not (comparing
+        would find nothing), else those whose bits differ."""
         log = self._logs.get(name)
-        if log is not None and table.row_log is log:
-            if log.complete(watched):
-                return log.slots().to(owned.device)
-            if log.aliased:
-                return torch.arange(owned.numel(), device=owned.device)
+        if log is not None and table.row_log is log and log.complete(watched):
+            return log.slots().to(owned.device)
+        if same_memory(current[0], stale[0]):
+            return owned.clone() if table.layout.spread else torch.arange(owned.numel(), device=owned.device)
         self.rows_compared += owned.numel()
         return changed_rows(owned, current, stale)
 
@@ -222,7 +227,7 @@ class StaleReplicas:
             return
         state = optimizer.state.get(table.local_weight, {})
         watched = [table.local_weight] + [state[n] for n in sorted(optimizer.row_state_names) if n in state]
-        table.row_log = RowLog(watched, aliased=same_memory(table.local_weight, copy.weight))
+        table.row_log = RowLog(watched)
         self._logs[name] = table.row_log
 
     def fits(self, name: str, weight: torch.Tensor, state: Dict[str, torch.Tensor]) -> bool:

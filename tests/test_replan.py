@@ -24,6 +24,7 @@ import torch.nn as nn
 import sparsecomm
 from sparsecomm import sharded
 from sparsecomm.sharded.table import ShardedTable
+from sparsecomm.stale import StaleReplicas
 
 from distributed import expect_value_error, run_cases, run_ranks, weight_diffs
 
@@ -159,22 +160,26 @@ def case_chain(rank, world, name, check_every_step=True):
     return [len(g["params"]) for g in opt.param_groups]
 
 
-def case_checkpoint(rank, world, directory):
+def case_checkpoint(rank, world, directory, stale=False):
     """After replans, a checkpoint (sharded.save, or DCP of the state dicts) loads into a model parallelized with
-    the new plan (the optimizer has the same layout), and training goes on alike in all three."""
+    the new plan (the optimizer has the same layout), and training goes on alike in all three.
+
+    With stale replicas, table c's hash shard is spread over its kept replica: its checkpoints load into dense
+    shards, and theirs back into it (over rows and state overwritten first)."""
     cls, kw = OPTIMIZERS["adagrad"]
     placements = chain("adagrad")
     net = Net()
     model, opt = sparsecomm.parallelize(net, cls, plan=plan_for(sparsecomm.plan(net, small_table_bytes=0),
                                                                 placements, 0), **kw)
-    ref = Reference("adagrad")
+    ref, replicas = Reference("adagrad"), StaleReplicas() if stale else None
     for i in range(3):
         if i:
             opt.zero_grad()
             model, opt = sparsecomm.replan(model, opt, plan_for(copy.deepcopy(inner_of(model).sparsecomm_plan),
-                                                                placements, i))
+                                                                placements, i), stale=replicas)
         train_step(model, opt, None, i, rank, world)
         ref.step(i)
+    assert inner_of(model).c.layout.spread == (stale and world > 1)
     sharded.save(directory, model, opt)
     fresh = Net(seed=77)
     model2, opt2 = sparsecomm.parallelize(fresh, cls, plan=sparsecomm.Plan.from_checkpoint(directory), **kw)
@@ -194,7 +199,44 @@ def case_checkpoint(rank, world, directory):
         ref.step(step)
     for m, what in ((model, "replanned"), (model2, "loaded from sharded.save"), (model3, "loaded through DCP")):
         assert_same(m, ref.model, f"{what}, world {world}")
+    if stale:
+        _load_back(directory, (model, opt), (model2, opt2), (model3, opt3), ref, rank, world)
     return True
+
+
+def _overwrite(opt):
+    """Every row and row state of ``opt``'s sharded tables set to junk (what a load must replace)."""
+    with torch.no_grad():
+        for t in opt.sharded.tables():
+            t.local_weight.fill_(7.0)
+            for v in opt.sharded.state[t.local_weight].values():
+                if isinstance(v, torch.Tensor) and v.dim():
+                    v.fill_(3.0)
+
+
+def _load_back(directory, spread, dense, dense_dcp, ref, rank, world):
+    """The dense models' checkpoints (sharded.save, then DCP) load into the spread model; training goes on alike."""
+    (model, opt), (model2, opt2), (model3, opt3) = spread, dense, dense_dcp
+    sharded.save(directory + "-back", model2, opt2)
+    _overwrite(opt)
+    sharded.load(directory + "-back", model, opt)
+    train_step(model, opt, None, 5, rank, world)
+    train_step(model2, opt2, None, 5, rank, world)
+    dcp.save({"model": inner_of(model2).state_dict(), "optim": opt2.state_dict()},
+             checkpoint_id=directory + "-back-dcp")
+    _overwrite(opt)
+    sd = {"model": inner_of(model).state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=directory + "-back-dcp")
+    inner_of(model).load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    ref.step(5)
+    for step in (6,):
+        for m, o in ((model, opt), (model2, opt2)):
+            train_step(m, o, None, step, rank, world)
+        ref.step(step)
+    assert inner_of(model).c.layout.spread == (world > 1)
+    assert_same(model, ref.model, f"spread, loaded back, world {world}")
+    assert_same(model2, ref.model, f"dense, world {world}")
 
 
 def _types(model):
@@ -349,7 +391,7 @@ def _chains(names, every_step=True):
 def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("replan") / "ckpt")
     every = _chains(OPTIMIZERS) + [("rowwise", ()), ("refusals", ()), ("options", ()),
-                                   ("checkpoint", (directory + "-2",))]
+                                   ("checkpoint", (directory + "-2",)), ("checkpoint:stale", (directory + "-2s", True))]
     return {2: run_ranks(2, worker, every, join_timeout_s=300),
             3: run_ranks(3, worker, _chains(["adam"]) + [("rowwise", ()), ("refusals", ())], join_timeout_s=300)}
 
@@ -377,8 +419,9 @@ def test_options_a_shard_cannot_follow_are_refused(runs):
     assert all(runs[2][r]["options"] for r in range(2))
 
 
-def test_a_checkpoint_after_replans_loads_into_the_new_plan(runs):
-    assert all(runs[2][r]["checkpoint"] for r in range(2))
+@pytest.mark.parametrize("case", ["checkpoint", "checkpoint:stale"])
+def test_a_checkpoint_after_replans_loads_into_the_new_plan(runs, case):
+    assert all(runs[2][r][case] for r in range(2))
 
 
 def test_without_torch_distributed_it_is_a_world_of_one():

@@ -574,6 +574,52 @@ def test_row_layout_agrees_with_row_owners(num_rows, world):
             assert layout.nbytes <= 4 * len(mine) + 64 and (scheme == "hash" or layout.nbytes == 0)
 
 
+@pytest.mark.parametrize("num_rows,world", [(130, 2), (70_000, 3), (3000, 30)])
+def test_a_spread_layout_owns_the_same_rows_at_their_ids(num_rows, world):
+    ids = torch.arange(num_rows)
+    owners = sparsecomm.ops.row_owners(ids, world, "hash", num_rows)
+    for rank in range(world):
+        dense, spread = sh.RowLayout(num_rows, world, rank), sh.RowLayout(num_rows, world, rank, spread=True)
+        mine = ids[owners == rank]
+        assert spread.spread and not dense.spread and spread.describe() == dense.describe()
+        assert torch.equal(spread.owned_ids(), mine) and spread.num_local == len(mine)
+        assert spread.num_slots == num_rows and dense.num_slots == len(mine)
+        assert torch.equal(spread.slots(mine.flip(0)), mine.flip(0))
+        assert torch.equal(spread.positions(mine.flip(0)), dense.slots(mine.flip(0)))
+        assert torch.equal(spread.owns(ids), owners == rank)
+        storage = torch.randn(num_rows, 2)
+        rows = spread.owned_rows(storage)
+        assert torch.equal(rows, storage[mine]) and dense.owned_rows(rows) is rows
+        before = storage.clone()
+        spread.put_owned_rows(storage, -rows)
+        assert torch.equal(storage[mine], -before[mine])
+        foreign = owners != rank
+        assert torch.equal(storage[foreign], before[foreign])   # the rows other ranks own stay as they were
+    # spread means nothing where slots already are ids, and is not offered for range
+    assert not sh.RowLayout(10, 1, 0, spread=True).spread
+    assert not sh.RowLayout(10, 2, 0, "range", spread=True).spread
+
+
+@pytest.mark.parametrize("num_rows,world,scheme", [(1, 1, "hash"), (64, 2, "hash"), (65, 3, "hash"),
+                                                   (1000, 4, "range"), (200_001, 5, "hash")])
+def test_owned_bitmap_and_its_ids_are_row_owners_set(num_rows, world, scheme):
+    ids = torch.arange(num_rows)
+    owners = sparsecomm.ops.row_owners(ids, world, scheme, num_rows)
+    for rank in range(world):
+        words = sparsecomm.ops.owned_bitmap(num_rows, world, rank, scheme)
+        assert words.shape == (-(-num_rows // 64),) and words.dtype == torch.int64
+        bits = (words[ids // 64] >> (ids % 64)) & 1
+        assert torch.equal(bits.bool(), owners == rank)
+        mine = ids[owners == rank]
+        assert torch.equal(sparsecomm.ops.bitmap_ids(words, len(mine)), mine)
+        with pytest.raises(ValueError, match="set bits"):
+            sparsecomm.ops.bitmap_ids(words, len(mine) + 1)
+    with pytest.raises(ValueError, match="rank"):
+        sparsecomm.ops.owned_bitmap(10, 2, 2)
+    with pytest.raises(TypeError, match="words"):
+        sparsecomm.ops.bitmap_ids(torch.zeros(2, dtype=torch.int32), 0)
+
+
 def test_memory_is_about_a_world_fraction_of_the_table(runs):
     for world in (2, 3):
         per_rank = [runs[1][world][r]["memory"][1] for r in range(world)]

@@ -8,7 +8,7 @@ training; at the end they are equal bit for bit, and the stale moves sent
 fewer rows than whole tables. A row (and a row's optimizer state alone)
 edited behind the optimizer's back, as a checkpoint load would, travels too (the shard's row log sees the
 write through the tensor's version and gives way to the comparison), and ranks that do not all hold a copy
-move whole tables. A table-wise owner's shard is its copy's memory.
+move whole tables. A table-wise owner's shard is its copy's memory, and a hash shard spreads over it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import test_replan as rp
 from distributed import full_weights, spawned_fixture
 
 R, H, G, LAST, FIRST = "replicate", "hash", "range", "table:last", "table:0"
-EDIT_AT = 3
+EDIT_AT = (2, 3)   # table a is a spread hash shard, then a table-wise one, when the edits run
 # a and b meet every pair of placements with a stale copy in hand; c is sparse=False (replicated under Adam).
 PLACES = {"a": [R, H, LAST, G, R, FIRST, H, R],
           "b": [R, LAST, H, R, G, FIRST, R, H],
@@ -53,14 +53,19 @@ def edit_rows(model, opt, ref, index):
     value = 0.25 + index
     t = rp.inner_of(model).a
     assert isinstance(t, ShardedTable)
-    owned = t.layout.owned_ids()
     with torch.no_grad():
         ref.model.a.weight[5] = value
-        t.local_weight[(owned == 5).nonzero().view(-1)] = value
+        t.local_weight[owned_slot(t, 5)] = value
         ref_state = ref.opts[0].state.get(ref.model.a.weight, {})
         if "sum" in ref_state:
             ref_state["sum"][7] = 2.0 + index
-            opt.sharded.state[t.local_weight]["sum"][(owned == 7).nonzero().view(-1)] = 2.0 + index
+            opt.sharded.state[t.local_weight]["sum"][owned_slot(t, 7)] = 2.0 + index
+
+
+def owned_slot(t, row):
+    """Row ``row``'s slot in table ``t``'s shard on this rank: one slot, or none where another rank owns it."""
+    ids = torch.tensor([row])
+    return t.layout.slots(ids[t.layout.owns(ids)])
 
 
 def run_chain(rank, world, name, replicas):
@@ -72,14 +77,18 @@ def run_chain(rank, world, name, replicas):
     ref, sched = rp.Reference(name), rp.scheduler(name, opt)   # the reference steps its own
     for i in range(len(places["a"])):
         if i:
-            if i == EDIT_AT:
+            if i in EDIT_AT:
                 edit_rows(model, opt, ref, i)
             opt.zero_grad()
             new_plan = plan_for(copy.deepcopy(rp.inner_of(model).sparsecomm_plan), places, i, world)
             model, opt = sparsecomm.replan(model, opt, new_plan, stale=replicas)
             t = rp.inner_of(model).a
-            if replicas is not None and isinstance(t, ShardedTable) and t.owner == rank and "a" in replicas:
-                assert same_memory(t.local_weight, replicas.get("a").weight), "a table-wise owner's shard is a copy"
+            if replicas is not None and isinstance(t, ShardedTable) and "a" in replicas:
+                spread = t.scheme == "hash" and world > 1
+                assert t.layout.spread == spread, (i, t.layout)
+                if t.owner == rank or spread:
+                    assert same_memory(t.local_weight, replicas.get("a").weight), \
+                        "a table-wise owner's shard, and a hash one, are the copy's memory"
         rp.train_step(model, opt, sched, i, rank, world)
         ref.step(i)
         rp.assert_same(model, ref.model, f"{name}, world {world}, stale {replicas is not None}, plan {i}")

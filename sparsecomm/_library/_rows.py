@@ -424,6 +424,32 @@ def empty_rows(shape: Tuple[int, ...], dtype: torch.dtype, device: Any = None) -
     return t
 
 
+# ------------------------------------------------------- owned-id bitmaps
+
+
+def owned_bitmap(num_rows: int, owner_map: ownership.OwnerMap, rank: int) -> Tensor:
+    """The ids in ``[0, num_rows)`` that ``rank`` owns under ``owner_map``, as a bitmap: bit ``j`` of word ``w``
+    (``ceil(num_rows / 64)`` int64 words, on the CPU) is id ``64 w + j``; one pass, no ids materialized."""
+    words = torch.empty(-(-num_rows // 64), dtype=torch.int64)
+    _C.owned_bitmap(num_rows, owner_map.scheme, owner_map.num_owners, owner_map.range_size, owner_map.stride, rank,
+                    words.data_ptr(), threads(num_rows))
+    return words
+
+
+def bitmap_ids(words: Tensor, count: int) -> Tensor:
+    """The ids of the ``count`` set bits of CPU int64 ``words`` (an :func:`owned_bitmap`), ascending (int64).
+
+    Raises:
+        ValueError: ``words`` has another number of set bits (nothing is written past ``count``).
+    """
+    words = words.contiguous()
+    out = torch.empty(count, dtype=torch.int64)
+    found = _C.bitmap_ids(words.data_ptr(), words.numel(), out.data_ptr(), count)
+    if found != count:
+        raise ValueError(f"the bitmap has {found} set bits, not {count}")
+    return out
+
+
 # ------------------------------------------------------- row-wise Adagrad
 
 

@@ -11,9 +11,10 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from sparsecomm import _library
-from sparsecomm.ops._validate import check_ids, check_num_rows, check_values, owner_map, row_width
+from sparsecomm.ops._validate import check_ids, check_num_rows, check_size, check_values, owner_map, row_width
 
-__all__ = ["Partition", "coalesce_rows", "partition_rows", "coalesce_partition_rows", "row_owners", "gather_rows",
+__all__ = ["Partition", "coalesce_rows", "partition_rows", "coalesce_partition_rows", "row_owners", "owned_bitmap",
+           "bitmap_ids", "gather_rows",
            "take_rows", "scatter_add_rows", "rowwise_adagrad_"]
 
 
@@ -147,6 +148,47 @@ def row_owners(ids: torch.Tensor, num_owners: int, scheme: str = "hash", num_row
     out = torch.empty_like(owners)
     out[part.perm] = owners
     return out
+
+
+def owned_bitmap(num_rows: int, num_owners: int, rank: int, scheme: str = "hash", *,
+                 range_size: Optional[int] = None, stride: int = 1, owner: Optional[int] = None) -> torch.Tensor:
+    """The ids of ``[0, num_rows)`` that ``rank`` owns under the map of :func:`partition_rows`, as a bitmap.
+
+    Bit ``j`` of word ``w`` is set when id ``64 * w + j`` belongs to ``rank``
+    (bit 63 is the sign bit). One pass over the ids, with none of them
+    materialized: the ownership map of a row-sharded table's layout.
+
+    Returns:
+        ``(ceil(num_rows / 64),)`` int64 words on the CPU.
+
+    Raises:
+        ValueError: a bad size, rank or owner map.
+    """
+    bound = check_num_rows(num_rows)
+    if bound < 1:
+        raise ValueError(f"num_rows must be a positive int, got {num_rows!r}")
+    if not isinstance(rank, int) or not 0 <= rank < num_owners:
+        raise ValueError(f"need 0 <= rank < num_owners, got rank={rank!r}, num_owners={num_owners!r}")
+    return _library.owned_bitmap(bound, owner_map(num_owners, scheme, bound, range_size, stride, owner), rank)
+
+
+def bitmap_ids(words: torch.Tensor, count: int) -> torch.Tensor:
+    """The ids of the set bits of ``words`` (an :func:`owned_bitmap`), ascending.
+
+    Args:
+        words: CPU int64 words.
+        count: how many bits are set (the caller knows it; a wrong count is refused).
+
+    Returns:
+        ``(count,)`` int64 ids on the CPU.
+
+    Raises:
+        TypeError, ValueError: words not CPU int64, or ``count`` not their set bits.
+    """
+    if not isinstance(words, torch.Tensor) or words.dtype != torch.int64 or words.device.type != "cpu" or \
+            words.dim() != 1:
+        raise TypeError("words must be a 1-D CPU int64 tensor")
+    return _library.bitmap_ids(words, check_size(count, "count"))
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -159,12 +159,12 @@ def save(directory: str, model: nn.Module, optimizer: Any = None, extra: Any = N
     for name, t in tables:
         # CPU copies: a checkpoint loads on any machine, and load() maps it to the CPU anyway.
         entry: Dict[str, Any] = {"layout": t.layout.describe(), "ids": t.layout.owned_ids().cpu(),
-                                 "weight": t.local_weight.detach().cpu(), "optimizer": None}
+                                 "weight": t.layout.owned_rows(t.local_weight.detach()).cpu(), "optimizer": None}
         p = by_table.get(name)
         if p is not None:
             state = optimizer.state[p]
             entry["optimizer"] = {"kind": type(optimizer).__name__, "step": int(state["step"]),
-                                  "rows": {k: state[k].cpu() for k in optimizer.row_state_names}}
+                                  "rows": {k: t.layout.owned_rows(state[k]).cpu() for k in optimizer.row_state_names}}
         payload["tables"][name] = entry
         summary[name] = {"rows": t.layout.num_local,
                          "row_state": {k: list(v.shape[1:]) for k, v in
@@ -294,13 +294,14 @@ def _reshard(directory: str, manifest: Dict[str, Any], tables, optimizer: Option
     opt_tables = _optimizer_tables(optimizer, tables)
     out: Dict[str, Dict[str, Any]] = {}
     for name, t in tables:
-        entry = {"weight": torch.empty(t.local_weight.shape, dtype=t.local_weight.dtype, device=cpu),
+        # Staged in id order (a spread shard's rows too), written to the shard at the end.
+        entry = {"weight": torch.empty((t.layout.num_local, t.embedding_dim), dtype=t.local_weight.dtype, device=cpu),
                  "filled": torch.zeros(t.layout.num_local, dtype=torch.int32, device=cpu), "rows": {},
                  "steps": set(), "optimizer": name in opt_tables}
         if name in opt_tables:
             for k in optimizer.row_state_names:
                 state = optimizer.state[opt_tables[name]][k]
-                entry["rows"][k] = torch.empty(state.shape, dtype=state.dtype, device=cpu)
+                entry["rows"][k] = torch.empty((t.layout.num_local, *state.shape[1:]), dtype=state.dtype, device=cpu)
         out[name] = entry
     n = manifest["world_size"]
     for r in range(n):
@@ -320,7 +321,7 @@ def _reshard(directory: str, manifest: Dict[str, Any], tables, optimizer: Option
                 raise CheckpointError(f"{fname}: table {name!r} holds ids outside [0, {t.num_embeddings})")
             ids = ids.to(cpu)
             mine = t.layout.owns(ids).nonzero().squeeze(1)
-            slots = t.layout.slots(ids[mine])  # on the ids' device: the CPU
+            slots = t.layout.positions(ids[mine])  # on the ids' device: the CPU
             e = out[name]
             e["weight"][slots] = weight[mine].to(e["weight"].dtype)
             e["filled"].index_add_(0, slots, torch.ones_like(slots, dtype=torch.int32))
@@ -413,11 +414,11 @@ def load(directory: str, model: nn.Module, optimizer: Any = None, strict: bool =
         for name, t in tables:
             e = new[name]
             t.drop_hot()  # its replicated rows and their optimizer state are stale now
-            t.local_weight.copy_(e["weight"])
+            t.layout.put_owned_rows(t.local_weight, e["weight"])
             if name in opt_tables:
                 state = optimizer.state[opt_tables[name]]
                 for k, v in e["rows"].items():
-                    state[k].copy_(v)
+                    t.layout.put_owned_rows(state[k], v)
                 if e["steps"]:
                     state["step"] = e["steps"].pop()
         with left_out_of_state_dicts([t for _, t in tables]):

@@ -93,18 +93,19 @@ def to_id_order(layout: RowLayout, shards: Sequence[torch.Tensor], group: Option
 
     Args:
         layout: the table's layout.
-        shards: tensors with one row per owned id, in slot order (the shard,
-            its optimizer state); they travel together.
+        shards: tensors with one row per slot (the shard, its optimizer
+            state; spread ones give their owned rows); they travel together.
         group: the table's group (None: a world of one).
 
     Returns:
         Per tensor, the rows ``chunk_bounds(layout)``: the tensor itself
         under the range scheme or without peers, a new tensor otherwise.
     """
+    shards = [layout.owned_rows(s) for s in shards]
     if _in_place(layout, group):
-        return list(shards)
+        return shards
     r = _routes(layout)
-    got = exchange_direct([list(shards)], [r.to_chunks], [r.to_shards], group,
+    got = exchange_direct([shards], [r.to_chunks], [r.to_shards], group,
                           comm_device(group, shards[0].device))[0]
     out = []
     for rows, like in zip(got, shards):
@@ -116,7 +117,8 @@ def to_id_order(layout: RowLayout, shards: Sequence[torch.Tensor], group: Option
 
 def from_id_order(layout: RowLayout, chunks: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]
                   ) -> List[torch.Tensor]:
-    """The inverse of :func:`to_id_order`: each shard's rows, in slot order, from every rank's chunk (collective).
+    """The inverse of :func:`to_id_order`: each shard's owned rows, in id order, from every rank's chunk
+    (collective; write them with ``layout.put_owned_rows``).
 
     Under the range scheme or without peers the chunks are returned as they are.
     """

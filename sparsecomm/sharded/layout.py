@@ -23,8 +23,16 @@ local shard:
   * past that, the sorted list of owned ids (``V / N`` ids of 4 bytes, or 8
     past 2**31 rows) and ``slot = searchsorted(owned, id)``: memory stays ~V/N.
 
-  Both are built in chunks, so building never holds more than a chunk of the
-  ``V`` ids at once.
+  A *spread* hash layout (``spread=True``) keeps the ownership map but not the
+  slots: ``slot = id``, and the shard has ``V`` rows of storage, of which the
+  owned ones are the shard's. It is what a shard cut from a kept replica uses
+  (:mod:`sparsecomm.stale`): the replica's memory becomes the shard, with
+  nothing copied or allocated; the rows this rank does not own are the
+  replica's stale ones, never read as the shard's. ``owned_rows`` /
+  ``put_owned_rows`` give and take the owned rows in id order under either kind.
+
+  Both come from one bitmap of owned ids (:func:`sparsecomm.ops.owned_bitmap`:
+  one pass of the owner map, ``V / 8`` bytes, no ids materialized).
 """
 
 from __future__ import annotations
@@ -37,9 +45,6 @@ from sparsecomm import ops, ownership
 from sparsecomm.types import PartitionScheme
 
 __all__ = ["RowLayout"]
-
-_BUILD_CHUNK = 1 << 20
-
 
 _POPCOUNT_BYTE = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int64)
 
@@ -60,6 +65,10 @@ class RowLayout:
         scheme: ``"hash"`` (balanced under Zipf skew), ``"range"`` (contiguous blocks) or ``"table"``
             (every row on ``owner``).
         owner: the table scheme's owner rank (required by it; the other schemes take None).
+        spread: under "hash" at a world above one, ``slot = id`` over a ``V``-row
+            storage (see the module docstring); ignored elsewhere, where it
+            changes nothing (a world of one, or a table-wise owner, already
+            has ``slot = id``) or is not offered (range: its blocks).
         device: where the ownership map (hash) lives and where
             :meth:`owned_ids` returns its ids; :meth:`slots` and :meth:`owns`
             accept ids on any device and answer on the ids' device.
@@ -69,10 +78,11 @@ class RowLayout:
     """
 
     __slots__ = ("num_embeddings", "world_size", "rank", "scheme", "owner", "range_size", "num_local", "device",
+                 "spread",
                  "_owned", "_start", "_bits", "_before")
 
     def __init__(self, num_embeddings: int, world_size: int, rank: int, scheme: str = "hash",
-                 device: Optional[torch.device] = None, owner: Optional[int] = None) -> None:
+                 device: Optional[torch.device] = None, owner: Optional[int] = None, spread: bool = False) -> None:
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
         if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
@@ -86,6 +96,7 @@ class RowLayout:
         elif owner is not None:
             raise ValueError(f"owner is the table scheme's; scheme={self.scheme!r} takes owner=None, got {owner!r}")
         self.owner = owner
+        self.spread = bool(spread) and self.scheme == PartitionScheme.HASH and world_size > 1
         self.range_size = ownership.range_size(num_embeddings, world_size)
         self._owned: Optional[torch.Tensor] = None
         self._bits: Optional[torch.Tensor] = None
@@ -106,30 +117,18 @@ class RowLayout:
             self._owned = self._build_owned(device)
             self.num_local = int(self._owned.numel())
 
-    def _owned_mask_chunks(self, device: torch.device):
-        for lo in range(0, self.num_embeddings, _BUILD_CHUNK):
-            ids = torch.arange(lo, min(self.num_embeddings, lo + _BUILD_CHUNK), dtype=torch.int64, device=device)
-            yield ids, self.owners(ids) == self.rank
-
     def _build_owned(self, device: torch.device) -> torch.Tensor:
         dtype = torch.int32 if self.num_embeddings <= 2**31 - 1 else torch.int64
-        parts = [ids[mask].to(dtype) for ids, mask in self._owned_mask_chunks(device)]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+        bits = ops.owned_bitmap(self.num_embeddings, self.world_size, self.rank, self.scheme, **self.owner_map)
+        return ops.bitmap_ids(bits, int(_popcount(bits).sum())).to(device=device, dtype=dtype)
 
     def _build_bitmap(self, device: torch.device) -> None:
-        words = []
-        weights = torch.bitwise_left_shift(torch.ones(64, dtype=torch.int64, device=device),
-                                           torch.arange(64, device=device))
-        for _, mask in self._owned_mask_chunks(device):
-            pad = -mask.numel() % 64
-            if pad:
-                mask = torch.cat([mask, mask.new_zeros(pad)])
-            # Distinct powers of two: their sum is their bitwise or (bit 63 included, as INT64_MIN).
-            words.append((mask.view(-1, 64).long() * weights).sum(dim=1))
-        self._bits = torch.cat(words)
-        counts = _popcount(self._bits)
+        # One pass of the owner map over [0, V) on the CPU (sparsecomm.ops.owned_bitmap), then to the device.
+        bits = ops.owned_bitmap(self.num_embeddings, self.world_size, self.rank, self.scheme, **self.owner_map)
+        counts = _popcount(bits)
+        self._bits = bits.to(device)
         self._before = (torch.cumsum(counts, 0) - counts).to(torch.int32 if self.num_embeddings < 2**31
-                                                             else torch.int64)
+                                                             else torch.int64).to(device)
 
     # ------------------------------------------------------------------ maps
 
@@ -153,6 +152,11 @@ class RowLayout:
         Check foreign ids with :meth:`owns` first: an id owned elsewhere gets
         some other row's slot.
         """
+        return ids.to(dtype=torch.int64) if self.spread else self.positions(ids)
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each owned id's index among this rank's owned ids, ascending (int64, on ``ids``' device): its slot,
+        except under a spread layout, whose slots are the ids (the index into :meth:`owned_rows`)."""
         where = ids.device
         ids = ids.to(device=self.device, dtype=torch.int64)
         if self._bits is not None:
@@ -181,19 +185,29 @@ class RowLayout:
         return (inside & hit).to(where)
 
     def owned_ids(self) -> torch.Tensor:
-        """The ids this rank owns, in slot order (int64, on the layout's device)."""
+        """The ids this rank owns, ascending (int64, on the layout's device): slot order, and under a spread
+        layout (:meth:`spread_into`) the slots themselves."""
         if self._bits is not None:
-            parts = []
-            shifts = torch.arange(64, device=self._bits.device)
-            step = _BUILD_CHUNK // 64
-            for w0 in range(0, len(self._bits), step):
-                block = self._bits[w0:w0 + step]
-                set_bits = ((block[:, None] >> shifts) & 1).bool().view(-1)
-                parts.append(set_bits.nonzero().view(-1) + w0 * 64)
-            return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=self.device)
+            return ops.bitmap_ids(self._bits.cpu(), self.num_local).to(self.device)
         if self._owned is None:
             return torch.arange(self._start, self._start + self.num_local, dtype=torch.int64, device=self.device)
         return self._owned.to(torch.int64)
+
+    @property
+    def num_slots(self) -> int:
+        """Rows of the shard's storage: ``num_local``, or ``V`` under a spread layout."""
+        return self.num_embeddings if self.spread else self.num_local
+
+    def owned_rows(self, storage: torch.Tensor) -> torch.Tensor:
+        """The owned rows of ``storage`` (``num_slots`` rows: the shard, a row state), in id order: ``storage``
+        itself, or under a spread layout a new tensor of its owned rows."""
+        return storage.index_select(0, self.owned_ids().to(storage.device)) if self.spread else storage
+
+    def put_owned_rows(self, storage: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Write ``rows`` (the owned rows in id order, as :meth:`owned_rows` gives them) into ``storage``."""
+        if self.spread:
+            return storage.index_copy_(0, self.owned_ids().to(storage.device), rows.to(storage))
+        return storage.copy_(rows)
 
     # --------------------------------------------------------------- describe
 
@@ -203,11 +217,13 @@ class RowLayout:
         return sum(t.numel() * t.element_size() for t in (self._owned, self._bits, self._before) if t is not None)
 
     def describe(self) -> Dict[str, Any]:
-        """A plain dict of the layout (saved with shards; compared on load)."""
+        """A plain dict of the layout (saved with shards; compared on load). Whether it is spread is how this
+        rank stores its rows, not which it owns: a shard saved spread loads dense, and back."""
         return {"num_embeddings": self.num_embeddings, "world_size": self.world_size, "rank": self.rank,
                 "scheme": self.scheme, "owner": self.owner, "range_size": self.range_size, "num_local": self.num_local}
 
     def __repr__(self) -> str:
         owner = f", owner={self.owner}" if self.owner is not None else ""
+        spread = ", spread=True" if self.spread else ""
         return (f"RowLayout(num_embeddings={self.num_embeddings}, world_size={self.world_size}, rank={self.rank}, "
-                f"scheme={self.scheme!r}{owner}, num_local={self.num_local})")
+                f"scheme={self.scheme!r}{owner}, num_local={self.num_local}{spread})")

@@ -117,7 +117,7 @@ def _place(table: Any, state: Dict[str, Any], names: Sequence[str], got: Sequenc
     for n, r, k in zip(names, got, kinds):
         if k == dcp.FULL:
             local[n] = r[owned.to(r.device)]
-        state[n].copy_(local[n])
+        table.layout.put_owned_rows(state[n], local[n])
 
 
 @torch.no_grad()
@@ -161,7 +161,7 @@ def _local_problem(opt: Any, sd: Dict[str, Any], ids: Sequence[Any]) -> Optional
                     f"state_dict() of this version, or a directory checkpoint with sparsecomm.sharded.save/load")
         for n in opt.row_state_names:
             t = sd["state"].get(pid, {}).get(n)
-            want = opt.state[table.local_weight][n].shape
+            want = (table.layout.num_local, *opt.state[table.local_weight][n].shape[1:])
             if t is None or t.shape != want:
                 return (f"table {i} state {n!r} has shape {None if t is None else tuple(t.shape)}, "
                         f"expected {tuple(want)}")
@@ -177,7 +177,7 @@ def _load_local(opt: Any, sd: Dict[str, Any]) -> None:
     for table, pid in zip(opt.tables(), ids):
         saved, state = sd["state"].get(pid, {}), opt.state[table.local_weight]
         for n in opt.row_state_names:
-            state[n].copy_(saved[n])
+            table.layout.put_owned_rows(state[n], saved[n])
         if "step" in saved:
             state["step"] = int(saved["step"])
     _set_hyperparameters(opt, sd["param_groups"])

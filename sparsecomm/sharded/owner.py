@@ -46,7 +46,7 @@ def _serve_pooled(t: LookupTable, info: TableRound, weight: torch.Tensor, slots:
     Backward adds each gradient row (times the weight) into the coalesced
     gradient of the distinct slots asked for (``info.grad_*``).
     """
-    info.grad_slots, where = ops.unique_inverse(slots, max(t.layout.num_local, 1))
+    info.grad_slots, where = ops.unique_inverse(slots, max(t.layout.num_slots, 1))
     info.grad_ids = torch.empty_like(info.grad_slots).index_copy_(0, where, requested)
     dev = weight.device
     any_weights = any(p is not None and p.weights is not None for p in parts)

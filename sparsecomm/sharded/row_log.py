@@ -4,7 +4,8 @@ A stale replica (:mod:`sparsecomm.stale`) needs, at a table's next move, the
 rows of each shard that changed since the last one. Comparing every row
 with the copy reads the shard and the copy whole (a 1M x 64 table with
 Adam's moments: 1.5 GB, about 0.2-0.5 s), and cannot work at all when the
-shard *is* the copy's memory (a table-wise owner's shard aliases its copy).
+shard *is* the copy's memory (a table-wise owner's shard, and a hash shard
+spread over a kept replica, :mod:`sparsecomm.sharded.layout`).
 A log costs one ``mask[slots] = True`` per optimizer update instead.
 
 Trust: the log is complete only for writes it is told of (the owner-side
@@ -33,13 +34,11 @@ class RowLog:
 
     Args:
         tensors: the shard's ``local_weight`` and its row-aligned optimizer state, the tensors watched.
-        aliased: the shard's memory is its stale copy's (the copy cannot be compared with it).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor], aliased: bool = False) -> None:
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         if not tensors:
             raise ValueError("RowLog needs the shard's weight (and its row state) to watch")
-        self.aliased = aliased
         self._tensors = tuple(tensors)
         self._mask = torch.zeros(tensors[0].shape[0], dtype=torch.bool, device=tensors[0].device)
         self._versions = self._read(self._tensors)

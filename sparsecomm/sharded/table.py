@@ -2,7 +2,8 @@
 
 :class:`ShardedTable` is the base of ``ShardedEmbedding`` and
 ``ShardedEmbeddingBag`` (:mod:`sparsecomm.sharded.embedding`). It stores the
-rows this rank owns (``local_weight``, in ``layout.owned_ids()`` order) and
+rows this rank owns (``local_weight``, at ``layout.slots(ids)``: in
+``layout.owned_ids()`` order, or spread over a kept replica's rows) and
 joins its lookups to a :class:`~sparsecomm.sharded.lookup.TableSet`, to
 which it offers the small public interface a round needs
 (:class:`~sparsecomm.sharded.protocol.LookupTable`: its group, optimizer,
@@ -113,14 +114,16 @@ class ShardedTable(nn.Module):
         if seed is None:
             # Every rank draws (keeping their RNG streams in step); rank 0's draw wins.
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        self.layout, self.seed = self._agree_layout(num_embeddings, rank, size, owner, device, seed)
+        # _adopt: the shard is _weight's own memory, not a copy of it, where _weight is a whole table that fits:
+        # a table-wise owner's shard is all of it; a hash shard spreads over it (sparsecomm.sharded.layout).
+        fits = _adopt and _weight is not None and tuple(_weight.shape) == (num_embeddings, embedding_dim) and \
+            _weight.is_contiguous() and _weight.dtype == dtype and _weight.device == device
+        self.layout, self.seed = self._agree_layout(num_embeddings, rank, size, owner, device, seed, spread=fits)
         self.stats = SparseSyncStats(world_size=size)
         # Alone in an eager set until grouped (sparsecomm.sharded.model.group_tables).
         self._set = TableSet([self], lazy=False, stats=self.stats)
         self._optimizer: Optional[weakref.ref] = None
-        # _adopt: a shard of the whole table (table-wise owner) is _weight's own memory, not a copy of it.
-        adopted = _adopt and _weight is not None and self.layout.num_local == num_embeddings and \
-            _weight.is_contiguous() and _weight.dtype == dtype and _weight.device == device
+        adopted = fits and self.layout.num_slots == num_embeddings
         self.local_weight = _weight.detach() if adopted else \
             ops.empty_rows((self.layout.num_local, embedding_dim), dtype, device)   # huge pages
         # Rows written since a stale replica's copy was current (sparsecomm.stale sets it), or None.
@@ -144,7 +147,7 @@ class ShardedTable(nn.Module):
         self.compile_anchor = torch.zeros(0, dtype=dtype, device=device, requires_grad=True)
 
     def _agree_layout(self, num_embeddings: int, rank: int, size: int, owner: Optional[int], device: torch.device,
-                      seed: int) -> Tuple[RowLayout, int]:
+                      seed: int, spread: bool = False) -> Tuple[RowLayout, int]:
         """This rank's layout and rank 0's seed, once every rank has checked the same scheme and owner (collective).
 
         Raises:
@@ -152,7 +155,7 @@ class ShardedTable(nn.Module):
         """
         layout, problem = None, None
         try:
-            layout = RowLayout(num_embeddings, size, rank, self.scheme, device, owner)
+            layout = RowLayout(num_embeddings, size, rank, self.scheme, device, owner, spread=spread)
         except ValueError as exc:  # told to every rank below: none is left waiting
             problem = str(exc)
         gathered = all_gather_objects((seed, self.scheme, owner, problem), self._group)
@@ -187,7 +190,8 @@ class ShardedTable(nn.Module):
             first = chunk * _INIT_CHUNK
             g = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + chunk) % 2**63)
             rows = torch.randn(min(_INIT_CHUNK, self.num_embeddings - first), self.embedding_dim, generator=g)
-            self.local_weight[lo:hi] = rows[ids[lo:hi] - first].to(self.local_weight)
+            at = ids[lo:hi].to(self.local_weight.device) if self.layout.spread else slice(lo, hi)
+            self.local_weight[at] = rows[ids[lo:hi] - first].to(self.local_weight)
         self._zero_padding_row()
 
     def _zero_padding_row(self) -> None:
@@ -211,7 +215,10 @@ class ShardedTable(nn.Module):
             raise ValueError(f"expected a ({self.num_embeddings}, {self.embedding_dim}) table, "
                              f"got {tuple(weight.shape)}")
         self.drop_hot()
-        ops.take_rows(weight.detach(), self.layout.owned_ids(), out=self.local_weight)
+        if self.layout.spread:
+            self.layout.put_owned_rows(self.local_weight, ops.take_rows(weight.detach(), self.layout.owned_ids()))
+        else:
+            ops.take_rows(weight.detach(), self.layout.owned_ids(), out=self.local_weight)
 
     @torch.no_grad()
     def full_weight(self) -> torch.Tensor:
@@ -223,7 +230,7 @@ class ShardedTable(nn.Module):
         A gradient a ``defer=True`` optimizer left pending is applied first.
         """
         self.table_set.push_deferred()
-        ids, rows = allgather_table_rows(self.layout.owned_ids(), self.local_weight.detach(),
+        ids, rows = allgather_table_rows(self.layout.owned_ids(), self.layout.owned_rows(self.local_weight.detach()),
                                          self.num_embeddings, self._group)
         full = torch.empty(self.num_embeddings, self.embedding_dim, dtype=rows.dtype, device=rows.device)
         full[ids.to(rows.device)] = rows
@@ -386,7 +393,8 @@ class ShardedTable(nn.Module):
         refused, pointing to the resharding forms). ``state_dict()`` gives the
         whole table instead (collective), which loads at any layout.
         """
-        return {"local_weight": self.local_weight.detach(), "_extra_state": self._layout_state()}
+        return {"local_weight": self.layout.owned_rows(self.local_weight.detach()),
+                "_extra_state": self._layout_state()}
 
     def _layout_state(self) -> Dict[str, Any]:
         return {"format": STATE_FORMAT, "embedding_dim": self.embedding_dim,
@@ -439,19 +447,20 @@ class ShardedTable(nn.Module):
             else:
                 rows = rows[self.layout.owned_ids().to(rows.device)]
             self.drop_hot()
-            self.local_weight.copy_(rows)
+            self.layout.put_owned_rows(self.local_weight, rows)
 
     def _load_local(self, weight: Any, layout_state: Any, key: str, error_msgs) -> None:
         """Load :meth:`local_state_dict`'s form: this rank's shard, same layout (no communication)."""
         problem = self._layout_problem(layout_state)
-        if problem is None and tuple(weight.shape) != tuple(self.local_weight.shape):
-            problem = f"{key}: shape {tuple(weight.shape)} in the state, {tuple(self.local_weight.shape)} here"
+        want = (self.layout.num_local, self.embedding_dim)
+        if problem is None and tuple(weight.shape) != want:
+            problem = f"{key}: shape {tuple(weight.shape)} in the state, {want} here"
         if problem:
             error_msgs.append(problem)
             return
         with torch.no_grad():
             self.drop_hot()
-            self.local_weight.copy_(weight)
+            self.layout.put_owned_rows(self.local_weight, weight)
 
     def extra_repr(self) -> str:
         owner = f", owner={self.owner}" if self.owner is not None else ""
