@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from sparsecomm import ops
 from sparsecomm.collectives.dense import broadcast_
 from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.hooks import register
@@ -148,6 +149,10 @@ class _Options:
     former: Optional[str] = None   # the optimizer the plan was made for, when another (Plan.adopt_optimizer)
 
 
+# Tables smaller than this stay in their pages (ops.empty_rows advises huge pages from 4 MiB on).
+_HUGE_PAGE_BYTES = 4 << 20
+
+
 def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], *, plan: Optional[Plan] = None,
                 process_group: Optional[dist.ProcessGroup] = None, sample_batch: Any = None,
                 memory_budget: Optional[int] = None, dense: Optional[str] = None,
@@ -252,6 +257,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
 
     sparse = [m.weight for name, m in modules.items() if name not in plan.sharded() and m.sparse
               and m.weight.requires_grad]
+    moved = _to_huge_pages(sparse)   # before DDP: it broadcasts rank 0's weights into them
     wrapped: nn.Module = model
     if n > 1 and wrapper == "fsdp":
         shard_dense(model, tables, process_group, src)   # the model's parameters become FSDP's DTensors
@@ -261,6 +267,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
     sparse_ids = {id(p) for p in sparse}
     dense_params = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse_ids]
     optimizer = build_optimizer(optimizer_class, optimizer_kwargs, dense_params, sparse, tables)
+    _state_to_huge_pages(moved, optimizer)
     optimizer.trial = None
     if config is not None:
         why = can_try(wrapped, model) or (None if len(tried) > 1 else "every candidate placement is the same")
@@ -270,6 +277,32 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
         elif trial not in (None, False) and world(group)[0] == 0:
             warnings.warn(f"sparsecomm.parallelize: no placement trial: {why}", stacklevel=2)
     return wrapped, optimizer
+
+
+def _to_huge_pages(weights: List[nn.Parameter]) -> List[nn.Parameter]:
+    """Move replicated sparse tables into huge-page memory (``ops.empty_rows``), as the shards are: their rows
+    are read and updated at random, and with 4 KiB pages each row is a TLB miss. Each is copied once, here; a
+    weight that shares its storage with another tensor, or is small, stays where it is. Returns those moved."""
+    moved = []
+    with torch.no_grad():
+        for p in weights:
+            if p.device.type == "cpu" and p.is_contiguous() and p.numel() * p.element_size() >= _HUGE_PAGE_BYTES \
+                    and p.untyped_storage().nbytes() == p.numel() * p.element_size():
+                p.data = ops.huge_page_copy(p.data)
+                moved.append(p)
+    return moved
+
+
+def _state_to_huge_pages(weights: List[nn.Parameter], optimizer: ParallelOptimizer) -> None:
+    """The same for the row state the optimizer made with those weights (Adagrad's sums). SparseAdam makes its
+    moments at its first step, in plain pages."""
+    with torch.no_grad():
+        for part in optimizer.parts.values():
+            for p in weights if part is not None else ():
+                state = part.state.get(p, {})
+                for name, v in list(state.items()):
+                    if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == p.shape[0] and v.device == p.device:
+                        state[name] = ops.huge_page_copy(v)
 
 
 def _trial_config(trial: Union[None, bool, TrialConfig], no_plan: bool, n: int, dense: Optional[str]

@@ -272,8 +272,8 @@ def _replicate(name: str, t: ShardedTable, optimizer: ParallelOptimizer, stale: 
         ids, rows = allgather_table_rows(t.layout.owned_ids(), packed, t.num_embeddings, t.group)
         full = torch.empty((t.num_embeddings, packed.shape[1]), dtype=rows.dtype, device=rows.device)
         full[ids.to(rows.device)] = rows
-        weight = full[:, :d].clone()
-        whole = {n: full[:, (i + 1) * d:(i + 2) * d].clone() for i, n in enumerate(names)}
+        weight = ops.huge_page_copy(full[:, :d])   # a replica's rows are updated at random, as a shard's
+        whole = {n: ops.huge_page_copy(full[:, (i + 1) * d:(i + 2) * d]) for i, n in enumerate(names)}
     if stale is not None:
         stale.drop(name)   # the replica is updated from now on
     spec = optimizer.spec

@@ -312,3 +312,32 @@ def test_without_torch_distributed_it_is_a_world_of_one():
     train_parallel(0, 1, "sgd", range(STEPS), ddp, opt)
     reference, _ = train_reference("sgd", range(STEPS))
     assert_same(ddp, reference, "no process group")
+
+
+def test_replicated_sparse_tables_move_to_huge_page_memory_with_their_values(monkeypatch):
+    """parallelize copies a replicated sparse table (>= 4 MiB) and its Adagrad sums into ops.empty_rows memory,
+    keeping the Parameter; a small table, and one sharing its storage, stay where they are."""
+    torch.manual_seed(0)
+    big, small = nn.EmbeddingBag(40_000, 32, mode="sum", sparse=True), nn.EmbeddingBag(100, 32, sparse=True)
+    shared = torch.randn(80_000, 32)
+    viewed = nn.EmbeddingBag.from_pretrained(shared[:40_000], freeze=False, sparse=True)
+    model = nn.ModuleDict({"big": big, "small": small, "viewed": viewed})
+    before = {k: (m.weight, m.weight.data_ptr(), m.weight.detach().clone()) for k, m in model.items()}
+    plan = sparsecomm.plan(model)
+    for name in model:
+        plan.override(name, "replicate")
+    copied, copy = [], sparsecomm.ops.huge_page_copy
+    monkeypatch.setattr(sparsecomm.ops, "huge_page_copy", lambda t: copied.append(tuple(t.shape)) or copy(t))
+    _, opt = sparsecomm.parallelize(model, torch.optim.Adagrad, plan=plan, trial=False, lr=0.1,
+                                    initial_accumulator_value=0.5)
+    for k, m in model.items():
+        p, ptr, values = before[k]
+        assert m.weight is p and torch.equal(p, values)
+        assert (p.data_ptr() != ptr) == (k == "big"), k
+    assert copied == [(40_000, 32), (40_000, 32)]   # the big weight, then its sums
+    state = opt.parts["dense"].state[big.weight]["sum"]
+    assert torch.equal(state, torch.full_like(state, 0.5)) and state.is_contiguous()
+    opt.zero_grad()
+    big(torch.tensor([[1, 2]])).sum().backward()
+    opt.step()   # the optimizer updates the moved weight and state
+    assert not torch.equal(big.weight[1], before["big"][2][1]) and state[1, 0] > 0.5

@@ -13,7 +13,7 @@ import torch
 from sparsecomm import _library
 from sparsecomm.ops._validate import check_int64_ids, check_num_rows, check_size, owner_map
 
-__all__ = ["PooledPlan", "empty_rows", "group_by", "bag_groups", "unique_inverse", "pooled_request"]
+__all__ = ["PooledPlan", "empty_rows", "huge_page_copy", "group_by", "bag_groups", "unique_inverse", "pooled_request"]
 
 
 class PooledPlan(NamedTuple):
@@ -46,6 +46,12 @@ def empty_rows(shape: Tuple[int, ...], dtype: torch.dtype, device=None) -> torch
     """``torch.empty`` for a table read and updated at random rows (a shard, its optimizer state): on the
     CPU backed by transparent huge pages where the OS allows it (:func:`sparsecomm._library.empty_rows`)."""
     return _library.empty_rows(tuple(shape), dtype, device)
+
+
+def huge_page_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in :func:`empty_rows` memory (huge pages where the OS allows it), for a table
+    or row state that already exists in plain pages and will be read and updated at random rows."""
+    return empty_rows(tuple(t.shape), t.dtype, t.device).copy_(t)
 
 
 def group_by(index: torch.Tensor, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
