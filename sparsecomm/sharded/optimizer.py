@@ -266,21 +266,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             t.attach_optimizer(self)
 
     def _incoming_state(self, p: torch.Tensor, group: Dict[str, Any], rows: Dict[str, Any]) -> Dict[str, Any]:
-        """``set_tables``' state for shard ``p`` from ``rows``: tensors that fit taken over, the rest new."""
-        given = {n: r for n, r in rows.items() if n in self.row_state_names}
-        fresh = self._init_state(p, group) if set(self.row_state_names) - set(given) else {}
+        """``set_tables``' state for shard ``p`` from ``rows``: tensors that fit taken over, others copied into
+        new row state, missing names made fresh."""
+        fresh = self._init_state(p, group) if any(n not in rows for n in self.row_state_names) else {}
         state = {"step": int(rows.get("step", 0))}
         for name in self.row_state_names:
-            if name not in given:
+            if name not in rows:
                 state[name] = fresh[name]
                 continue
-            r = given[name]
-            like = fresh.get(name)
-            shape = tuple(like.shape) if like is not None else self._state_shape(p, name)
-            if tuple(r.shape) == shape and r.dtype == p.dtype and r.device == p.device and r.is_contiguous():
-                state[name] = r
-            else:
-                state[name] = (like if like is not None else _rows_like(p, shape)).copy_(r)
+            r, shape = rows[name], self._state_shape(p, name)
+            fits = tuple(r.shape) == shape and r.dtype == p.dtype and r.device == p.device and r.is_contiguous()
+            state[name] = r if fits else _rows_like(p, shape).copy_(r)
         return state
 
     def _state_shape(self, p: torch.Tensor, name: str) -> Tuple[int, ...]:
@@ -406,8 +402,7 @@ class ShardedAdagrad(ShardedOptimizer):
         return tuple(p.shape[:1] if self.rowwise else p.shape)
 
     def _init_state(self, p, group):
-        shape = p.shape[:1] if self.rowwise else p.shape
-        return {"step": 0, "sum": _rows_like(p, shape).fill_(group["initial_accumulator_value"])}
+        return {"step": 0, "sum": _rows_like(p, self._state_shape(p, "sum")).fill_(group["initial_accumulator_value"])}
 
     def _update(self, group, p, state, slots, grad):
         clr = group["lr"] / (1 + (state["step"] - 1) * group["lr_decay"])
