@@ -366,6 +366,16 @@ def test_a_failing_rank_fails_the_run_fast():
     assert "num_rows must be >= 1" in out.stderr
 
 
+def test_a_rank_killed_by_a_signal_prints_its_python_stack_first():
+    # The launcher's ranks run with faulthandler on, so a crash in a kernel shows where it happened.
+    from sparsecomm.bench.launch import _child_env
+    env = _child_env(0, 2, 29500, None)
+    assert env["PYTHONFAULTHANDLER"] == "1"
+    out = subprocess.run([sys.executable, "-c", "import ctypes; ctypes.string_at(0)"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "Fatal Python error: Segmentation fault" in out.stderr, out.stderr
+
+
 # ---------------------------------------------------------------- end to end, one host and emulated hosts
 
 TINY_E2E = ["--tables", "20000,3000", "--batch", "32", "--steps", "2", "--warmup", "1", "--optimizers", "sgd",

@@ -123,6 +123,8 @@ def _child_env(rank: int, world_size: int, port: int, result_path: Optional[str]
                LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # N ranks share the cores: without this each would start one OpenMP thread per core.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    # A rank killed by a signal (SIGSEGV in a kernel) prints every thread's Python stack on its stderr first.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     # The children import this very package, even from a checkout that is not installed.
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
