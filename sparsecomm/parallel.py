@@ -13,6 +13,7 @@ checked before anything is modified (docs/PARALLELIZE.md).
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
@@ -294,8 +295,8 @@ def _to_huge_pages(weights: List[nn.Parameter]) -> List[nn.Parameter]:
 
 
 def _state_to_huge_pages(weights: List[nn.Parameter], optimizer: ParallelOptimizer) -> None:
-    """The same for the row state the optimizer made with those weights (Adagrad's sums). SparseAdam makes its
-    moments at its first step, in plain pages."""
+    """The same for the row state the optimizer made with those weights (Adagrad's sums, copied), and for the
+    moments SparseAdam makes at a weight's first step (made there, before its step, as it would make them)."""
     with torch.no_grad():
         for part in optimizer.parts.values():
             for p in weights if part is not None else ():
@@ -303,6 +304,27 @@ def _state_to_huge_pages(weights: List[nn.Parameter], optimizer: ParallelOptimiz
                 for name, v in list(state.items()):
                     if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == p.shape[0] and v.device == p.device:
                         state[name] = ops.huge_page_copy(v)
+    sparse = optimizer.parts.get("sparse")
+    if isinstance(sparse, torch.optim.SparseAdam) and weights:
+        sparse.register_step_pre_hook(_SparseAdamMoments(weights))
+
+
+class _SparseAdamMoments:
+    """A SparseAdam step pre-hook: the state of a weight about to take its first step (``step`` 0 and zero
+    moments, SparseAdam's own initialization) made in huge-page memory; idle once every weight has one."""
+
+    def __init__(self, weights: List[nn.Parameter]) -> None:
+        self.waiting = {id(p): weakref.ref(p) for p in weights}   # a weight a replan took away is not kept
+
+    def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for key, ref in list(self.waiting.items()):
+            p = ref()
+            if p is None or len(opt.state.get(p, {})):   # gone, or made already (a loaded state dict)
+                del self.waiting[key]
+            elif p.grad is not None:        # SparseAdam makes the state of a weight with a gradient
+                opt.state[p] = {"step": 0, "exp_avg": ops.empty_rows(tuple(p.shape), p.dtype, p.device).zero_(),
+                                "exp_avg_sq": ops.empty_rows(tuple(p.shape), p.dtype, p.device).zero_()}
+                del self.waiting[key]
 
 
 def _trial_config(trial: Union[None, bool, TrialConfig], no_plan: bool, n: int, dense: Optional[str]

@@ -341,3 +341,27 @@ def test_replicated_sparse_tables_move_to_huge_page_memory_with_their_values(mon
     big(torch.tensor([[1, 2]])).sum().backward()
     opt.step()   # the optimizer updates the moved weight and state
     assert not torch.equal(big.weight[1], before["big"][2][1]) and state[1, 0] > 0.5
+
+
+def test_sparse_adam_makes_its_moments_in_huge_page_memory_with_its_own_values(monkeypatch):
+    """SparseAdam's first step of a replicated table finds its state made (step 0, zero moments) in
+    ops.empty_rows memory, and trains exactly as torch's SparseAdam."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"t": nn.EmbeddingBag(40_000, 32, mode="sum", sparse=True)})
+    ref = nn.EmbeddingBag(40_000, 32, mode="sum", sparse=True)
+    ref.load_state_dict(model["t"].state_dict())
+    plan = sparsecomm.plan(model)
+    plan.override("t", "replicate")
+    made, empty = [], sparsecomm.ops.empty_rows
+    monkeypatch.setattr(sparsecomm.ops, "empty_rows", lambda *a: made.append(tuple(a[0])) or empty(*a))
+    _, opt = sparsecomm.parallelize(model, torch.optim.SparseAdam, plan=plan, trial=False, lr=0.1)
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    for step in range(2):
+        for m, o in ((model["t"], opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(torch.tensor([[1, 2], [2, 3 + step]])).sum().backward()
+            o.step()
+    assert made == [(40_000, 32)] * 2   # its two moments, at the first step (the weight: the test above)
+    assert torch.equal(model["t"].weight, ref.weight)
+    state = opt.parts["sparse"].state[model["t"].weight]
+    assert state["step"] == 2 and torch.equal(state["exp_avg"], ref_opt.state[ref.weight]["exp_avg"])
