@@ -306,15 +306,17 @@ def _state_to_huge_pages(weights: List[nn.Parameter], optimizer: ParallelOptimiz
                         state[name] = ops.huge_page_copy(v)
     sparse = optimizer.parts.get("sparse")
     if isinstance(sparse, torch.optim.SparseAdam) and weights:
-        sparse.register_step_pre_hook(_SparseAdamMoments(weights))
+        hook = _SparseAdamMoments(weights)
+        hook.handle = sparse.register_step_pre_hook(hook)
 
 
 class _SparseAdamMoments:
     """A SparseAdam step pre-hook: the state of a weight about to take its first step (``step`` 0 and zero
-    moments, SparseAdam's own initialization) made in huge-page memory; idle once every weight has one."""
+    moments, SparseAdam's own initialization) made in huge-page memory; removed once every weight has one."""
 
     def __init__(self, weights: List[nn.Parameter]) -> None:
         self.waiting = {id(p): weakref.ref(p) for p in weights}   # a weight a replan took away is not kept
+        self.handle: Any = None   # the hook's registration (set by the caller)
 
     def __call__(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for key, ref in list(self.waiting.items()):
@@ -325,6 +327,8 @@ class _SparseAdamMoments:
                 opt.state[p] = {"step": 0, "exp_avg": ops.empty_rows(tuple(p.shape), p.dtype, p.device).zero_(),
                                 "exp_avg_sq": ops.empty_rows(tuple(p.shape), p.dtype, p.device).zero_()}
                 del self.waiting[key]
+        if not self.waiting and self.handle is not None:
+            self.handle.remove()
 
 
 def _trial_config(trial: Union[None, bool, TrialConfig], no_plan: bool, n: int, dense: Optional[str]

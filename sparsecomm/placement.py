@@ -60,7 +60,8 @@ class TableSpec:
 
     def sharded(self, weight: torch.Tensor, where: Where, group, seed: int, adopt: bool = False) -> ShardedTable:
         """The sharded table holding this rank's rows of ``weight`` (a full table, the same on every rank);
-        ``adopt``: a shard of every row (table-wise owner) is ``weight``'s memory itself, not a copy."""
+        ``adopt``: the shard is ``weight``'s memory itself, not a copy, where it can be (a table-wise owner's
+        shard of every row; a hash shard spread over it, :mod:`sparsecomm.sharded.layout`)."""
         common = dict(scheme=where.scheme, owner=where.owner, group=group, grad_reduction=self.grad_reduction,
                       seed=seed, dtype=weight.dtype, device=weight.device, _weight=weight, _adopt=adopt)
         if self.bag:

@@ -168,15 +168,14 @@ class StaleReplicas:
             rows than the whole move would.
         """
         copy = self._tables.get(name)
-        state = optimizer.state.get(table.local_weight, {})
-        mine = {n: state[n] for n in optimizer.row_state_names if n in state}
-        names = sorted(mine)
+        mine = _row_state(table, optimizer)
+        names = list(mine)
         current = [_rows(table.local_weight.detach())] + [_rows(mine[n]) for n in names]
         owned = table.layout.owned_ids()
         which, stale = None, None
         if copy is not None and self.fits(name, table.local_weight, mine):
             stale = [_rows(copy.weight)] + [_rows(copy.state[n]) for n in names]   # views: patched in place below
-            which = self._changed(name, table, owned, current, stale, [table.local_weight] + [mine[n] for n in names])
+            which = self._changed(name, table, owned, current, stale, [table.local_weight, *mine.values()])
         counts = [int(c) for c in all_gather_objects(-1 if which is None else which.numel(), table.group)]
         if max(counts) > table.num_embeddings:
             raise ValueError(f"sparsecomm stale replicas: a rank announced {max(counts)} changed rows of table "
@@ -192,8 +191,8 @@ class StaleReplicas:
         self.rows_sent += which.numel()
         self.rows_total += owned.numel()
         packed = torch.cat([c[which.to(c.device)] for c in current], 1)
-        mine = which if table.layout.spread else owned[which]   # a spread shard's slots are its ids
-        ids, rows = allgather_table_rows(mine, packed, copy.weight.shape[0], table.group, complete=False,
+        sent = which if table.layout.spread else owned[which]   # a spread shard's slots are its ids
+        ids, rows = allgather_table_rows(sent, packed, copy.weight.shape[0], table.group, complete=False,
                                          counts=counts)
         ordered = torch.sort(ids).values   # sorting the rows sent, not counting into a table-sized array
         if bool((ordered[1:] == ordered[:-1]).any()):
@@ -215,7 +214,7 @@ class StaleReplicas:
         if log is not None and table.row_log is log and log.complete(watched):
             return log.slots().to(owned.device)
         if same_memory(current[0], stale[0]):
-            return owned.clone() if table.layout.spread else torch.arange(owned.numel(), device=owned.device)
+            return owned if table.layout.spread else torch.arange(owned.numel(), device=owned.device)
         self.rows_compared += owned.numel()
         return changed_rows(owned, current, stale)
 
@@ -225,9 +224,7 @@ class StaleReplicas:
         copy = self._tables.get(name)
         if copy is None or not hasattr(table, "row_log"):   # no copy, or a replica (its copy is dropped)
             return
-        state = optimizer.state.get(table.local_weight, {})
-        watched = [table.local_weight] + [state[n] for n in sorted(optimizer.row_state_names) if n in state]
-        table.row_log = RowLog(watched)
+        table.row_log = RowLog([table.local_weight, *_row_state(table, optimizer).values()])
         self._logs[name] = table.row_log
 
     def fits(self, name: str, weight: torch.Tensor, state: Dict[str, torch.Tensor]) -> bool:
@@ -242,6 +239,12 @@ class StaleReplicas:
 def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether non-empty ``a`` lives in ``b``'s memory (a shard that is its stale copy)."""
     return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _row_state(table: Any, optimizer: Any) -> Dict[str, torch.Tensor]:
+    """The row state ``optimizer`` keeps for ``table``'s shard, by name in sorted order (the order moves use)."""
+    state = optimizer.state.get(table.local_weight, {})
+    return {n: state[n] for n in sorted(optimizer.row_state_names) if n in state}
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

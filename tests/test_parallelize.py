@@ -363,5 +363,6 @@ def test_sparse_adam_makes_its_moments_in_huge_page_memory_with_its_own_values(m
             o.step()
     assert made == [(40_000, 32)] * 2   # its two moments, at the first step (the weight: the test above)
     assert torch.equal(model["t"].weight, ref.weight)
+    assert not opt.parts["sparse"]._optimizer_step_pre_hooks   # done once the weight has its state
     state = opt.parts["sparse"].state[model["t"].weight]
     assert state["step"] == 2 and torch.equal(state["exp_avg"], ref_opt.state[ref.weight]["exp_avg"])

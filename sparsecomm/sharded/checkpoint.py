@@ -164,7 +164,8 @@ def save(directory: str, model: nn.Module, optimizer: Any = None, extra: Any = N
         if p is not None:
             state = optimizer.state[p]
             entry["optimizer"] = {"kind": type(optimizer).__name__, "step": int(state["step"]),
-                                  "rows": {k: t.layout.owned_rows(state[k]).cpu() for k in optimizer.row_state_names}}
+                                  "rows": {k: t.layout.owned_rows(state[k]).cpu()
+                                           for k in optimizer.row_state_names}}
         payload["tables"][name] = entry
         summary[name] = {"rows": t.layout.num_local,
                          "row_state": {k: list(v.shape[1:]) for k, v in
@@ -295,13 +296,15 @@ def _reshard(directory: str, manifest: Dict[str, Any], tables, optimizer: Option
     out: Dict[str, Dict[str, Any]] = {}
     for name, t in tables:
         # Staged in id order (a spread shard's rows too), written to the shard at the end.
-        entry = {"weight": torch.empty((t.layout.num_local, t.embedding_dim), dtype=t.local_weight.dtype, device=cpu),
+        entry = {"weight": torch.empty((t.layout.num_local, t.embedding_dim), dtype=t.local_weight.dtype,
+                                       device=cpu),
                  "filled": torch.zeros(t.layout.num_local, dtype=torch.int32, device=cpu), "rows": {},
                  "steps": set(), "optimizer": name in opt_tables}
         if name in opt_tables:
             for k in optimizer.row_state_names:
                 state = optimizer.state[opt_tables[name]][k]
-                entry["rows"][k] = torch.empty((t.layout.num_local, *state.shape[1:]), dtype=state.dtype, device=cpu)
+                entry["rows"][k] = torch.empty((t.layout.num_local, *state.shape[1:]), dtype=state.dtype,
+                                               device=cpu)
         out[name] = entry
     n = manifest["world_size"]
     for r in range(n):

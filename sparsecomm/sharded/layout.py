@@ -186,7 +186,7 @@ class RowLayout:
 
     def owned_ids(self) -> torch.Tensor:
         """The ids this rank owns, ascending (int64, on the layout's device): slot order, and under a spread
-        layout (:meth:`spread_into`) the slots themselves."""
+        layout the slots themselves."""
         if self._bits is not None:
             return ops.bitmap_ids(self._bits.cpu(), self.num_local).to(self.device)
         if self._owned is None:
