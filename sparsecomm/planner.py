@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.ownership import owner_range_size, scheme_of
 from sparsecomm.prices import ROUND_COLLECTIVES, measure_prices, predict
-from sparsecomm.sample_batch import sample_ids, sample_problem
+from sparsecomm.sample_batch import Sample, sample_ids, sample_problem
 from sparsecomm.table_wise import place_tables, pools_at_owner
 
 __all__ = ["Plan", "TablePlan", "plan", "refuse_wrapped", "PLACEMENTS", "PLAN_FORMAT"]
@@ -363,7 +363,7 @@ def _describe(name: str, m: nn.Module, n: int, optimizer: str) -> TablePlan:
 
 def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[dist.ProcessGroup] = None,
          memory_budget: Optional[int] = None, optimizer: Any = "SGD", small_table_bytes: int = 4 << 20,
-         latency_bytes: Optional[float] = None) -> Plan:
+         latency_bytes: Optional[float] = None, sample: Optional[Sample] = None) -> Plan:
     """Decide where each embedding table of ``model`` lives; collective (every rank, same model).
 
     Args:
@@ -380,6 +380,8 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
         small_table_bytes: tables smaller than this stay replicated.
         latency_bytes: the price of one collective in bytes (default: measured
             with a few all-to-alls when a sample batch is given).
+        sample: instead of ``sample_batch``, what one was seen to look up on
+            this rank (:class:`~sparsecomm.sample_batch.IdCapture`).
 
     Returns:
         The :class:`Plan`, the same on every rank.
@@ -397,8 +399,8 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
     refuse_wrapped(model, group, "sparsecomm.plan")
     modules = embedding_modules(model)
     tables = {name: _describe(name, m, n, opt) for name, m in modules}
-    sample, problem = None, None
-    if sample_batch is not None and modules:
+    problem = None
+    if sample is None and sample_batch is not None and modules:
         try:
             sample = sample_ids(model, modules, sample_batch)
         except Exception as e:  # told to every rank below: no rank is left waiting in the exchange

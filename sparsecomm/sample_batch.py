@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
-__all__ = ["Sample", "sample_ids", "sample_problem"]
+__all__ = ["IdCapture", "Sample", "sample_ids", "sample_problem"]
 
 
 @dataclasses.dataclass
@@ -29,18 +30,40 @@ def _bag_count(m: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> T
     return max(0, bags), int(ids.numel())
 
 
+class IdCapture:
+    """Records the ids (and bags) the given tables look up while it is open: forward pre-hooks on their modules.
+
+    What a sample batch's forward shows (:func:`sample_ids`), or what a training
+    step's forwards look up (the placement trial measures its sample-batch plan
+    on the job's own first step this way). :meth:`close` removes the hooks.
+    """
+
+    def __init__(self, modules: Sequence[Tuple[str, nn.Module]]) -> None:
+        self._seen: Dict[str, List[torch.Tensor]] = {n: [] for n, _ in modules}
+        self._bags: Dict[str, Tuple[int, int]] = {n: (0, 0) for n, m in modules if isinstance(m, nn.EmbeddingBag)}
+        self._handles = [m.register_forward_pre_hook(functools.partial(self._grab, name), with_kwargs=True)
+                         for name, m in modules]
+
+    def _grab(self, name: str, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self._seen[name].append(args[0].detach().reshape(-1).to("cpu", torch.int64))
+        if name in self._bags:
+            b, k = _bag_count(module, args, kwargs)
+            self._bags[name] = (self._bags[name][0] + b, self._bags[name][1] + k)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def sample(self) -> Sample:
+        """What was looked up so far: the distinct ids per table, and the bags of bag tables."""
+        return Sample({n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64)
+                       for n, v in self._seen.items()}, dict(self._bags))
+
+
 def sample_ids(model: nn.Module, modules: Sequence[Tuple[str, nn.Module]], sample_batch: Any) -> Sample:
     """Distinct ids (and bags) each table sees in one forward of ``sample_batch`` on this rank (no gradient)."""
-    seen: Dict[str, List[torch.Tensor]] = {n: [] for n, _ in modules}
-    bags: Dict[str, Tuple[int, int]] = {n: (0, 0) for n, m in modules if isinstance(m, nn.EmbeddingBag)}
-    handles = []
-    for name, m in modules:
-        def grab(module, args, kwargs, name=name):
-            seen[name].append(args[0].detach().reshape(-1).to("cpu", torch.int64))
-            if name in bags:
-                b, k = _bag_count(module, args, kwargs)
-                bags[name] = (bags[name][0] + b, bags[name][1] + k)
-        handles.append(m.register_forward_pre_hook(grab, with_kwargs=True))
+    capture = IdCapture(modules)
     try:
         with torch.no_grad():
             if callable(sample_batch) and not isinstance(sample_batch, (torch.Tensor, nn.Module)):
@@ -48,10 +71,8 @@ def sample_ids(model: nn.Module, modules: Sequence[Tuple[str, nn.Module]], sampl
             else:
                 model(sample_batch)
     finally:
-        for h in handles:
-            h.remove()
-    return Sample({n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64)
-                   for n, v in seen.items()}, bags)
+        capture.close()
+    return capture.sample()
 
 
 def sample_problem(error: Exception, sample_batch: Any) -> str:

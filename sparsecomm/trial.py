@@ -17,9 +17,16 @@ The candidates, in the order they are tried:
    when the replicas do not fit the plan's memory budget);
 2. ``planned``: the planner's pick (e.g. bag tables table-wise);
 3. ``row-sharded``: the tables the planner shards (or, when it shards none,
-   those of ``small_table_bytes`` or more) row-sharded by hash.
+   those of ``small_table_bytes`` or more) row-sharded by hash;
+4. ``sampled``: the planner's pick for the ids the job's first step looked
+   up, with the link and optimizer measured (what ``parallelize`` plans from
+   a sample batch); made after that step, one collective.
 
-Identical candidates are tried once. The job starts replicated: moving a
+Identical candidates are tried once. When the first pass's two fastest are
+within ``confirm`` of each other, they are measured again, back to back, and
+those steps decide: a candidate's steps measured a pass apart differ by more
+than that (the first candidate's steps are the job's first, its buffers and
+pages still new). The job starts replicated: moving a
 replica to any sharded placement communicates nothing, and the replica is
 kept as a stale copy on every rank (:mod:`sparsecomm.stale`), so every later
 move (to another sharded placement, or back) sends only the rows that
@@ -69,8 +76,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.placement import planned_placement
-from sparsecomm.planner import Plan
+from sparsecomm.planner import Plan, embedding_modules
+from sparsecomm.planner import plan as make_plan
 from sparsecomm.replan import ReplanBusy, replan
+from sparsecomm.sample_batch import IdCapture
 from sparsecomm.stale import StaleReplicas
 
 __all__ = ["TrialConfig", "Candidate", "PlacementTrial", "candidates"]
@@ -88,6 +97,11 @@ class TrialConfig:
         drift: re-check when the kept placement's recent median step is this fraction above its measured one
             (0: never).
         margin: how much faster (as a fraction) another candidate must be to replace the kept one at a re-check.
+        confirm: when the first pass's runner-up is within this fraction of the fastest, measure the two again,
+            back to back, and decide on those steps (0: never). Steps measured far apart differ by more than
+            candidates this close do (the first candidate's steps are the job's first).
+        sample: also try the planner's pick for the ids the job's first step looked up (the plan
+            ``parallelize`` makes from a sample batch), made after that step.
         stale_replicas: keep each sharded table's last replica (:mod:`sparsecomm.stale`) while a move may still come
             (through the re-checks), so moves send only changed rows; costs the replicated placement's memory,
             which the trial's first candidate used anyway. False: every move sends whole tables.
@@ -99,6 +113,8 @@ class TrialConfig:
     recheck_every: int = 0
     drift: float = 0.15
     margin: float = 0.1
+    confirm: float = 0.1
+    sample: bool = True
     stale_replicas: bool = True
 
     def __post_init__(self) -> None:
@@ -109,8 +125,10 @@ class TrialConfig:
                                  f"got {value!r}")
         if not 0 <= self.margin < 1:
             raise ValueError(f"TrialConfig.margin must be in [0, 1), got {self.margin!r}")
-        if not (isinstance(self.drift, (int, float)) and self.drift >= 0):
-            raise ValueError(f"TrialConfig.drift must be a fraction >= 0, got {self.drift!r}")
+        for name in ("drift", "confirm"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0):
+                raise ValueError(f"TrialConfig.{name} must be a fraction >= 0, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -176,7 +194,10 @@ class PlacementTrial:
         self._skip = config.warmup
         self._want: Optional[int] = None   # a move to make as soon as it can happen
         self._next_check: Optional[int] = None
-        self._check_order: List[int] = []
+        self._pass: Optional[List[int]] = None   # the candidates of a confirming or re-checking pass
+        self._confirmed = False
+        self._capture = IdCapture(embedding_modules(model.module)) if config.sample else None
+        self.sampled_plan: Optional[Plan] = None   # the plan for the first step's ids (config.sample)
         self._recent: List[float] = []     # the kept placement's latest steps (drift)
         self._since = 0                    # steps since the last decision
         self.stale = StaleReplicas() if config.stale_replicas else None
@@ -202,6 +223,8 @@ class PlacementTrial:
         interval = None if self._started is None else now - self._started
         self._started = None
         self.steps += 1
+        if self._capture is not None:
+            self._add_sampled()
         if self._want is not None:
             self._move(optimizer, self._want)
             return
@@ -228,9 +251,41 @@ class PlacementTrial:
         self._decide(optimizer)
 
     def _order(self) -> List[int]:
-        if self.kept is None:
-            return list(range(len(self.candidates)))
-        return self._check_order
+        return list(range(len(self.candidates))) if self._pass is None else self._pass
+
+    def _add_sampled(self) -> None:
+        """After the first step: the planner's pick for the ids it looked up becomes a candidate (collective)."""
+        sample, base = self._capture.sample(), self.candidates[0].plan
+        self._capture.close()
+        self._capture = None
+        try:
+            sampled = make_plan(self._model_now().module, process_group=self.process_group,
+                                memory_budget=base.memory_budget, optimizer=base.optimizer, sample=sample)
+        except ValueError as exc:   # the same on every rank: the plan is made from every rank's sample
+            self.log.append(f"step {self.steps}: no sample-batch candidate: {exc}")
+            return
+        self.sampled_plan = sampled
+        c = Candidate("sampled", sampled)
+        same = [o.name for o in self.candidates if o.key() == c.key()]
+        if same:
+            self.log.append(f"step {self.steps}: the plan for step 1's ids is the {same[0]} candidate's")
+        else:
+            self.candidates.append(c)
+
+    def _confirm(self, optimizer: Any, measured: List[int], figures: str) -> bool:
+        """After the first pass: when the two fastest are within ``confirm``, measure them again (True)."""
+        ranked = sorted(measured, key=lambda i: self.candidates[i].ms)
+        if self._confirmed or not self.config.confirm or len(ranked) < 2 or \
+                self.candidates[ranked[1]].ms > (1 + self.config.confirm) * self.candidates[ranked[0]].ms:
+            return False
+        self._confirmed = True
+        self._pass = sorted(ranked[:2], key=lambda i: i != self.current)   # the one the model holds first
+        self.log.append(f"step {self.steps}: trial: median ms/step of the slowest rank: {figures}; "
+                        f"{self.candidates[ranked[0]].name} and {self.candidates[ranked[1]].name} within "
+                        f"{self.config.confirm:.0%}: measured again, back to back")
+        self.measuring, self._samples = self._pass[0], {}
+        self._move(optimizer, self._pass[0])
+        return True
 
     def _decide(self, optimizer: Any) -> None:
         medians = {i: statistics.median(v) for i, v in self._samples.items()}
@@ -244,10 +299,12 @@ class PlacementTrial:
             if self.candidates[best].ms > (1 - self.config.margin) * kept_ms:
                 best = self.kept   # not faster by the margin: stay
         figures = ", ".join(f"{self.candidates[i].name} {self.candidates[i].ms:.2f}" for i in measured)
+        if self.kept is None and self._confirm(optimizer, measured, figures):
+            return
         what = "re-check" if self.kept is not None else "trial"
         self.log.append(f"step {self.steps}: {what}: median ms/step of the slowest rank: {figures}; kept "
                         f"{self.candidates[best].name} ({self.moves} moves so far, {self.move_seconds:.2f} s)")
-        self.kept, self.measuring = best, None
+        self.kept, self.measuring, self._pass = best, None, None
         self._samples, self._recent, self._since = {}, [], 0
         every = self.config.recheck_every
         self._next_check = self.steps + every if every else None
@@ -292,7 +349,7 @@ class PlacementTrial:
         if not ranked:
             self._next_check = None
             return
-        self._check_order = [self.kept, ranked[0]]
+        self._pass = [self.kept, ranked[0]]
         self.measuring = self.kept
         self._skip = self.config.settle
 

@@ -93,7 +93,8 @@ def assert_same(model, reference, what):
 
 
 def case_trial(rank, world, name, config=FAST):
-    """The default call: replicated first, then the planner's pick, then row-sharded; the fastest kept.
+    """The default call: replicated first, then the planner's pick, then row-sharded (then the plan for the first
+    step's ids, when it differs); the fastest kept, the two fastest measured again when close.
 
     With stale replicas (the default), moves after the first send only changed rows: far fewer than the tables'.
     """
@@ -103,12 +104,19 @@ def case_trial(rank, world, name, config=FAST):
     assert [c.name for c in trial.candidates] == ["replicated", "planned", "row-sharded"]
     assert set(placement(model).values()) == {"replicate"}
     seen = []
-    for step in range(12):
+    for step in range(24):
         step_of(model, opt, step, rank, world)
         ref.step(step)
         assert_same(model, ref.model, f"{name}, world {world}, step {step}")
         seen.append(tuple(sorted(placement(model).items())))
     assert model is first and trial.done and trial.moves >= 2, trial.report()
+    # the first step's ids, seen by the trial, planned as a sample batch of them would be (union and bags)
+    alone = sparsecomm.plan(Model(), batch(0, rank, world)[0], optimizer=cls)
+    for n, t in trial.sampled_plan.tables.items():
+        assert (t.distinct, t.union, t.bags) == (alone[n].distinct, alone[n].union, alone[n].bags), n
+    names = [c.name for c in trial.candidates]
+    assert names[:3] == ["replicated", "planned", "row-sharded"] and names[3:] in ([], ["sampled"])
+    assert (names[3:] == []) == any("the plan for step 1's ids is the" in e for e in trial.log)
     kept = trial.candidates[trial.kept]
     assert placement(model) == {n: ((t.scheme, t.owner) if t.placement == "shard" else "replicate")
                                 for n, t in kept.plan.tables.items()}
@@ -175,6 +183,40 @@ def case_recheck(rank, world):
     return [e.split(":")[0] for e in trial.log]   # which steps decided: the same on every rank
 
 
+def case_confirm(rank, world):
+    """Two candidates within ``confirm``: measured again back to back, and those steps decide; exact throughout.
+
+    Steps are made slow by a sleep per placement (replicated and row-sharded alike, the planned one far slower)."""
+    cls, kw = OPTIMIZERS["sgd"]
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2,
+                                                                        sample=False), **kw)
+    trial, ref = opt.trial, Reference("sgd")
+    sleeps = {"replicated": 0.15, "planned": 0.6, "row-sharded": 0.15}
+
+    def stall(module, args):
+        if not trial.done:
+            time.sleep(sleeps[trial.candidates[trial.current].name])
+
+    model.module.register_forward_pre_hook(stall)
+    step = 0
+    while not trial.done and step < 30:
+        step_of(model, opt, step, rank, world)
+        ref.step(step)
+        step += 1
+    assert_same(model, ref.model, f"after a confirmed trial, world {world}")
+    again = [e for e in trial.log if "measured again, back to back" in e]
+    assert trial.done and len(again) == 1 and "replicated and row-sharded within 10%" in again[0], trial.report()
+    assert trial.candidates[trial.kept].name in ("replicated", "row-sharded")
+    assert trial.sampled_plan is None and len(trial.candidates) == 3
+    # confirm=0: the first pass decides
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2, confirm=0),
+                                        **kw)
+    for step in range(20):
+        step_of(model, opt, step, rank, world)
+    assert opt.trial.done and not any("measured again" in e for e in opt.trial.log), opt.trial.report()
+    return [e.split(":")[0] for e in trial.log]
+
+
 def case_off(rank, world):
     """A plan given, or trial=False: no trial; a bad trial argument is refused."""
     net = Model()
@@ -190,6 +232,7 @@ def case_off(rank, world):
 WHOLE = TrialConfig(warmup=1, settle=1, measure=2, stale_replicas=False)   # every move sends whole tables
 CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [("trial-whole-adam", case_trial, ("adam", WHOLE)),("pending", case_pending, ()),
                                                                     ("recheck", case_recheck, ()),
+                                                                    ("confirm", case_confirm, ()),
                                                                     ("off", case_off, ())]
 
 
@@ -201,7 +244,7 @@ def test_on_ranks(spawned, case):
     world, out = spawned
     results = [out[r][case] for r in range(world)]
     assert all(results), f"world {world}, {case}"
-    if case == "recheck":
+    if case in ("recheck", "confirm"):
         assert len({tuple(r) for r in results}) == 1, f"ranks decided at different steps: {results}"
     if case.startswith("trial-"):
         assert len({r[0] for r in results}) == 1, f"ranks kept different placements: {results}"
@@ -229,5 +272,5 @@ def test_the_candidates_and_the_schedule_are_checked():
     assert "replicated" not in [c.name for c in candidates(p)]
     assert isinstance(candidates(p)[0], Candidate)
     for bad, match in ((dict(measure=0), "measure"), (dict(warmup=-1), "warmup"), (dict(margin=1.0), "margin"),
-                       (dict(drift=-0.1), "drift")):
+                       (dict(drift=-0.1), "drift"), (dict(confirm=-1), "confirm")):
         expect_value_error(lambda: TrialConfig(**bad), match)

@@ -16,8 +16,8 @@ step by step, on the same batches (noise hits all alike):
   user calls it, no plan given: it plans from the model alone (large bag
   tables table-wise, spread over the ranks, where that moves fewer bytes),
   then its placement trial (``sparsecomm.trial``) times every table
-  replicated, that plan and the tables row-sharded on training steps and
-  keeps the fastest. Here the trial runs to its decision right after the
+  replicated, that plan, the tables row-sharded and the plan for the first
+  step's ids on training steps and keeps the fastest. Here the trial runs to its decision right after the
   checked step, alone, on batches of its own; ``trial_s`` is its wall time,
   ``trial_cost`` what it cost beyond the same steps at the kept placement's
   speed, as a share of a 1,000-step run;
@@ -106,7 +106,7 @@ LEGEND = {
     "hosts": "emulated hosts x ranks per host (blank: one host)",
     "rate": "each emulated host link's cap, both ways",
     "#wrong": "tensors off a float64 single-process step on the whole batch (non-zero exits 3)",
-    "kept": "the placement parallelize's trial kept (replicated, planned or row-sharded)",
+    "kept": "the placement parallelize's trial kept (replicated, planned, row-sharded or sampled)",
     "trial_s": "wall time of the placement trial (its steps included)",
     "trial_steps": "steps the placement trial took",
     "trial_cost": "the trial's time beyond as many steps at the kept placement's speed, per 1,000 steps at that speed",
@@ -247,7 +247,8 @@ def _finish_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int],
     """Train this method alone until its placement trial has decided: its steps, wall time and report."""
     opt, model, steps = r["opt"], r["model"], 0
     c = opt.trial.config
-    needed = c.warmup + len(opt.trial.candidates) * (c.settle + c.measure) + c.settle + 2
+    # every candidate (and the one its first step may add), two confirmed again, the last move
+    needed = c.warmup + (len(opt.trial.candidates) + 3) * (c.settle + c.measure) + c.settle + 2
     batches = [make_batch(a, rows, 100_000 + i, rank) for i in range(needed)]   # made before the clock starts
     start = time.perf_counter()
     while not opt.trial.done and steps < 500:
