@@ -381,7 +381,8 @@ def plan(model: nn.Module, sample_batch: Any = None, *, process_group: Optional[
         latency_bytes: the price of one collective in bytes (default: measured
             with a few all-to-alls when a sample batch is given).
         sample: instead of ``sample_batch``, what one was seen to look up on
-            this rank (:class:`~sparsecomm.sample_batch.IdCapture`).
+            this rank (:class:`~sparsecomm.sample_batch.IdCapture`); when
+            given, ``sample_batch`` is not run.
 
     Returns:
         The :class:`Plan`, the same on every rank.

@@ -17,8 +17,8 @@ step by step, on the same batches (noise hits all alike):
   tables table-wise, spread over the ranks, where that moves fewer bytes),
   then its placement trial (``sparsecomm.trial``) times every table
   replicated, that plan, the tables row-sharded and the plan for the first
-  step's ids on training steps and keeps the fastest. Here the trial runs to its decision right after the
-  checked step, alone, on batches of its own; ``trial_s`` is its wall time,
+  step's ids on training steps and keeps the fastest. Here the trial runs to
+  its decision right after the checked step, alone, on batches of its own; ``trial_s`` is its wall time,
   ``trial_cost`` what it cost beyond the same steps at the kept placement's
   speed, as a share of a 1,000-step run;
 - ``parallelize_plan``: ``parallelize`` with the plan made from a sample batch
