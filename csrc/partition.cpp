@@ -71,6 +71,32 @@ int64_t bitmap_ids(const int64_t* words, int64_t nwords, int64_t* out, int64_t c
   return at;
 }
 
+// Each id's rank among the set bits of words (its slot in a layout's owned-id bitmap): before[w] plus the set
+// bits below it in its word. Returns the index of the first id outside [0, 64 * nwords), or -1 (then out is full).
+template <typename B>
+int64_t bitmap_positions(const int64_t* words, int64_t nwords, const B* before, const int64_t* ids, int64_t n,
+                         int64_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    if (id < 0 || (id >> 6) >= nwords) return i;
+    uint64_t bits;
+    std::memcpy(&bits, words + (id >> 6), sizeof bits);
+    const uint64_t below = (uint64_t{1} << (id & 63)) - 1;
+    out[i] = static_cast<int64_t>(before[id >> 6]) + __builtin_popcountll(bits & below);
+  }
+  return -1;
+}
+
+// Whether each id lies in [0, num_rows) and its bit is set (bool bytes into out).
+void bitmap_owns(const int64_t* words, int64_t num_rows, const int64_t* ids, int64_t n, bool* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = ids[i];
+    uint64_t bits = 0;
+    if (id >= 0 && id < num_rows) std::memcpy(&bits, words + (id >> 6), sizeof bits);
+    out[i] = (id >= 0 && id < num_rows) && ((bits >> (id & 63)) & 1);
+  }
+}
+
 // ---- binding ----
 
 SPARSECOMM_BIND(partition) {
@@ -108,6 +134,30 @@ SPARSECOMM_BIND(partition) {
         py::arg("num_rows"), py::arg("scheme"), py::arg("num_owners"), py::arg("range_size"), py::arg("stride"),
         py::arg("rank"), py::arg("words"), py::arg("threads"),
         "Bitmap of the ids in [0, num_rows) that rank owns: ceil(num_rows / 64) int64 words.");
+
+  m.def("bitmap_positions",
+        [](uintptr_t words, int64_t nwords, uintptr_t before, int before_bytes, uintptr_t ids, int64_t n,
+           uintptr_t out) {
+          py::gil_scoped_release release;
+          if (before_bytes == 4)
+            return bitmap_positions(ptr<int64_t>(words), nwords, ptr<int32_t>(before), ptr<int64_t>(ids), n,
+                                    ptr<int64_t>(out));
+          if (before_bytes == 8)
+            return bitmap_positions(ptr<int64_t>(words), nwords, ptr<int64_t>(before), ptr<int64_t>(ids), n,
+                                    ptr<int64_t>(out));
+          throw std::invalid_argument("sparsecomm: bitmap prefix counts must be int32 or int64");
+        },
+        py::arg("words"), py::arg("nwords"), py::arg("before"), py::arg("before_bytes"), py::arg("ids"),
+        py::arg("n"), py::arg("out"),
+        "Each id's rank among the set bits (prefix counts per word in before); the first id out of range or -1.");
+
+  m.def("bitmap_owns",
+        [](uintptr_t words, int64_t num_rows, uintptr_t ids, int64_t n, uintptr_t out) {
+          py::gil_scoped_release release;
+          bitmap_owns(ptr<int64_t>(words), num_rows, ptr<int64_t>(ids), n, ptr<bool>(out));
+        },
+        py::arg("words"), py::arg("num_rows"), py::arg("ids"), py::arg("n"), py::arg("out"),
+        "Whether each id is in [0, num_rows) with its bit set.");
 
   m.def("bitmap_ids",
         [](uintptr_t words, int64_t nwords, uintptr_t out, int64_t capacity) {

@@ -620,6 +620,30 @@ def test_owned_bitmap_and_its_ids_are_row_owners_set(num_rows, world, scheme):
         sparsecomm.ops.bitmap_ids(torch.zeros(2, dtype=torch.int32), 0)
 
 
+@pytest.mark.parametrize("num_rows,world", [(1, 1), (65, 2), (70_001, 3)])
+def test_bitmap_positions_and_owns_count_the_set_bits(num_rows, world):
+    ids = torch.arange(num_rows)
+    owners = sparsecomm.ops.row_owners(ids, world, "hash", num_rows)
+    probe = torch.cat([ids.flip(0), torch.tensor([-1, num_rows, 64 * (-(-num_rows // 64)) + 5])])
+    for rank in range(world):
+        words = sparsecomm.ops.owned_bitmap(num_rows, world, rank)
+        mine = owners == rank
+        # the rank of each id among the owned ids: owned ids below it
+        want = torch.cumsum(mine.long(), 0) - mine.long()
+        counts = torch.tensor([int(mine[w * 64:(w + 1) * 64].sum()) for w in range(len(words))])
+        for dtype in (torch.int32, torch.int64):
+            before = (torch.cumsum(counts, 0) - counts).to(dtype)
+            assert torch.equal(sparsecomm.ops.bitmap_positions(words, before, ids.flip(0)), want.flip(0))
+            with pytest.raises(ValueError, match="outside the bitmap"):
+                sparsecomm.ops.bitmap_positions(words, before, probe)
+        owned = sparsecomm.ops.bitmap_owns(words, num_rows, probe)
+        assert torch.equal(owned[:num_rows], mine.flip(0)) and not owned[num_rows:].any()
+    with pytest.raises(TypeError, match="before"):
+        sparsecomm.ops.bitmap_positions(words, torch.zeros(len(words) + 1, dtype=torch.int64), ids)
+    with pytest.raises(ValueError, match="exceeds the bitmap"):
+        sparsecomm.ops.bitmap_owns(words, 64 * len(words) + 1, ids)
+
+
 def test_memory_is_about_a_world_fraction_of_the_table(runs):
     for world in (2, 3):
         per_rank = [runs[1][world][r]["memory"][1] for r in range(world)]

@@ -47,9 +47,9 @@ from sparsecomm._library._common import INDEX_CODE, VALUE_CODE, acc_dtype, check
 from sparsecomm._library._pooled import (bag_groups_torch, group_by_torch, pooled_request_torch,
                                          unique_inverse_torch)
 from sparsecomm._library._registry import call
-from sparsecomm._library._rows import bitmap_ids, empty_rows, owned_bitmap
+from sparsecomm._library._rows import bitmap_ids, bitmap_owns, bitmap_positions, empty_rows, owned_bitmap
 from sparsecomm._library import _wire  # noqa: F401  (registers pack_rows_ and coalesce_segments)
 
-__all__ = ["INDEX_CODE", "VALUE_CODE", "acc_dtype", "bitmap_ids", "call", "check_no_overlap", "empty_rows",
-           "owned_bitmap", "group_by_torch",
+__all__ = ["INDEX_CODE", "VALUE_CODE", "acc_dtype", "bitmap_ids", "bitmap_owns", "bitmap_positions", "call",
+           "check_no_overlap", "empty_rows", "owned_bitmap", "group_by_torch",
            "bag_groups_torch", "unique_inverse_torch", "pooled_request_torch"]

@@ -450,6 +450,26 @@ def bitmap_ids(words: Tensor, count: int) -> Tensor:
     return out
 
 
+def bitmap_positions(words: Tensor, before: Tensor, ids: Tensor) -> Tensor:
+    """Each of the CPU int64 ``ids``' rank among the set bits of ``words`` (an :func:`owned_bitmap`; ``before``:
+    per word, the set bits before it): its slot (int64). ``ValueError`` for an id outside the bitmap."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), dtype=torch.int64)
+    bad = _C.bitmap_positions(words.data_ptr(), words.numel(), before.data_ptr(), before.element_size(),
+                              ids.data_ptr(), ids.numel(), out.data_ptr())
+    if bad >= 0:
+        raise ValueError(f"id {int(ids[bad])} lies outside the bitmap of {64 * words.numel()} ids")
+    return out
+
+
+def bitmap_owns(words: Tensor, num_rows: int, ids: Tensor) -> Tensor:
+    """Whether each of the CPU int64 ``ids`` lies in ``[0, num_rows)`` with its bit of ``words`` set (bool)."""
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), dtype=torch.bool)
+    _C.bitmap_owns(words.data_ptr(), num_rows, ids.data_ptr(), ids.numel(), out.data_ptr())
+    return out
+
+
 # ------------------------------------------------------- row-wise Adagrad
 
 

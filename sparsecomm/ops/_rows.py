@@ -14,7 +14,7 @@ from sparsecomm import _library
 from sparsecomm.ops._validate import check_ids, check_num_rows, check_size, check_values, owner_map, row_width
 
 __all__ = ["Partition", "coalesce_rows", "partition_rows", "coalesce_partition_rows", "row_owners", "owned_bitmap",
-           "bitmap_ids", "gather_rows",
+           "bitmap_ids", "bitmap_positions", "bitmap_owns", "gather_rows",
            "take_rows", "scatter_add_rows", "rowwise_adagrad_"]
 
 
@@ -189,6 +189,46 @@ def bitmap_ids(words: torch.Tensor, count: int) -> torch.Tensor:
             words.dim() != 1:
         raise TypeError("words must be a 1-D CPU int64 tensor")
     return _library.bitmap_ids(words, check_size(count, "count"))
+
+
+def _check_bitmap(words: torch.Tensor, ids: torch.Tensor) -> None:
+    for name, t in (("words", words), ("ids", ids)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D CPU int64 tensor")
+
+
+def bitmap_positions(words: torch.Tensor, before: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each id's rank among the set bits of ``words`` (an :func:`owned_bitmap`): a row's slot among the owned ids.
+
+    Args:
+        words: CPU int64 words.
+        before: per word, the set bits of the words before it (CPU int32 or int64).
+        ids: CPU int64 ids, each inside the bitmap (its own bit need not be set).
+
+    Returns:
+        ``(len(ids),)`` int64.
+
+    Raises:
+        TypeError, ValueError: bad tensors, or an id outside ``[0, 64 len(words))``.
+    """
+    _check_bitmap(words, ids)
+    if not isinstance(before, torch.Tensor) or before.dtype not in (torch.int32, torch.int64) or \
+            before.device.type != "cpu" or tuple(before.shape) != tuple(words.shape) or not before.is_contiguous():
+        raise TypeError("before must be a contiguous CPU int32/int64 tensor, one count per word")
+    return _library.bitmap_positions(words.contiguous(), before, ids)
+
+
+def bitmap_owns(words: torch.Tensor, num_rows: int, ids: torch.Tensor) -> torch.Tensor:
+    """Whether each id lies in ``[0, num_rows)`` and its bit of ``words`` is set (bool, on the CPU).
+
+    Raises:
+        TypeError, ValueError: bad tensors, or ``num_rows`` beyond the bitmap.
+    """
+    _check_bitmap(words, ids)
+    bound = check_num_rows(num_rows)
+    if bound > 64 * words.numel():
+        raise ValueError(f"num_rows {bound} exceeds the bitmap's {64 * words.numel()} ids")
+    return _library.bitmap_owns(words.contiguous(), bound, ids)
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -159,7 +159,9 @@ class RowLayout:
         except under a spread layout, whose slots are the ids (the index into :meth:`owned_rows`)."""
         where = ids.device
         ids = ids.to(device=self.device, dtype=torch.int64)
-        if self._bits is not None:
+        if self._bits is not None and self.device.type == "cpu":
+            out = ops.bitmap_positions(self._bits, self._before, ids)
+        elif self._bits is not None:
             word = ids >> 6
             below = torch.bitwise_left_shift(torch.ones_like(ids), ids & 63) - 1
             out = self._before[word].to(torch.int64) + _popcount(self._bits[word] & below)
@@ -173,6 +175,8 @@ class RowLayout:
         """Whether this rank owns each id (bool, on ``ids``' device); ids outside ``[0, V)`` are not owned."""
         where = ids.device
         ids = ids.to(device=self.device, dtype=torch.int64)
+        if self._bits is not None and self.device.type == "cpu":
+            return ops.bitmap_owns(self._bits, self.num_embeddings, ids).to(where)
         inside = (ids >= 0) & (ids < self.num_embeddings)
         if self._owned is None and self._bits is None:
             return ((ids >= self._start) & (ids < self._start + self.num_local)).to(where)
