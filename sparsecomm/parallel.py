@@ -31,6 +31,7 @@ from sparsecomm.sharded.combined import ParallelOptimizer, build_optimizer, chec
 from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag
 from sparsecomm.sharded.fsdp import DENSE_WRAPPERS, check_fsdp, fsdp_submodules, shard_dense
 from sparsecomm.sharded.model import group_tables
+from sparsecomm.sharded.wire import check_compression
 from sparsecomm.trial import PlacementTrial, TrialConfig, can_try, candidates
 
 __all__ = ["parallelize"]
@@ -99,6 +100,7 @@ def _agree_checks(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: i
     try:
         options.former = p.adopt_optimizer(options.optimizer_class, modules, n)  # the plan is for what trains
         wrapper = _dense_wrapper(model, options)
+        _check_compression(options)
         _check_plan(model, p, modules, n, options.optimizer_class)
         if wrapper == "fsdp":
             check_fsdp(model, p.sharded())
@@ -107,8 +109,9 @@ def _agree_checks(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: i
     except ValueError as exc:
         error = str(exc)
     # Every rank must hold the same plan: one rank refusing means all refuse.
-    verdicts = all_gather_objects((error, [(t, p.tables[t].where) for t in p.sharded()], wrapper), group)
-    for r, (err, placed, theirs) in enumerate(verdicts):
+    verdicts = all_gather_objects((error, [(t, p.tables[t].where) for t in p.sharded()], wrapper,
+                                   options.compression), group)
+    for r, (err, placed, theirs, compression) in enumerate(verdicts):
         if err:
             raise ValueError(err if r == world(group)[0] else f"rank {r}: {err}")
         if placed != verdicts[0][1]:
@@ -117,6 +120,9 @@ def _agree_checks(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: i
         if theirs != verdicts[0][2]:
             raise ValueError(f"sparsecomm.parallelize: rank {r} wraps the dense part in {theirs} but rank 0 in "
                              f"{verdicts[0][2]}: pass the same model and dense= on every rank")
+        if compression != verdicts[0][3]:
+            raise ValueError(f"sparsecomm.parallelize: rank {r} passes sparse_compression={compression!r} but rank 0 "
+                             f"{verdicts[0][3]!r}: pass the same on every rank")
     return wrapper
 
 
@@ -134,8 +140,26 @@ def _shard_tables(model: nn.Module, p: Plan, modules: Dict[str, nn.Module], n: i
         _replace(model, name, new)
         tables.append(new)
     if tables:
-        group_tables(model, tables)
+        group_tables(model, tables, compression=model.sparsecomm_compression)
     return tables
+
+
+def _check_compression(options: "_Options") -> None:
+    """``sparse_compression`` is a wire dtype, and ``hook_options`` does not ask for another one."""
+    try:
+        c = options.compression = check_compression(options.compression)
+    except ValueError as exc:
+        raise ValueError(f"sparsecomm.parallelize: sparse_{exc}") from None
+    given = (options.hook_options or {}).get("sparse_compression", c)
+    if c is not None and given != c:
+        raise ValueError(f"sparsecomm.parallelize: sparse_compression={c!r} but hook_options has "
+                         f"sparse_compression={given!r}: give it once")
+
+
+def _hook_options(options: "_Options") -> Dict[str, Any]:
+    """The hook's options: the user's, with ``sparse_compression`` for the replicated tables' gradient rows."""
+    extra = {"sparse_compression": options.compression} if options.compression is not None else {}
+    return {**(options.hook_options or {}), **extra}
 
 
 @dataclass
@@ -148,6 +172,7 @@ class _Options:
     ddp_kwargs: Optional[Dict[str, Any]]
     hook_options: Optional[Dict[str, Any]]
     former: Optional[str] = None   # the optimizer the plan was made for, when another (Plan.adopt_optimizer)
+    compression: Optional[str] = None   # the embedding rows' wire dtype (sparse_compression)
 
 
 # Tables smaller than this stay in their pages (ops.empty_rows advises huge pages from 4 MiB on).
@@ -158,7 +183,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
                 process_group: Optional[dist.ProcessGroup] = None, sample_batch: Any = None,
                 memory_budget: Optional[int] = None, dense: Optional[str] = None,
                 ddp_kwargs: Optional[Dict[str, Any]] = None, hook_options: Optional[Dict[str, Any]] = None,
-                trial: Union[None, bool, TrialConfig] = None,
+                trial: Union[None, bool, TrialConfig] = None, sparse_compression: Optional[str] = None,
                 **optimizer_kwargs) -> Tuple[nn.Module, ParallelOptimizer]:
     """Make ``model`` data-parallel: the plan's tables sharded, the rest under DDP + sparsecomm or FSDP2; collective.
 
@@ -202,6 +227,15 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
             given, on a DDP model with dense parameters and peers; False:
             never; True or a :class:`~sparsecomm.trial.TrialConfig`: whenever
             the model allows (a warning says why not).
+        sparse_compression: None (default: exact), ``"bf16"`` or ``"fp16"``:
+            embedding rows travel in that dtype between ranks: the sharded
+            tables' pulled rows (or partial bags) and pushed gradient rows
+            (:attr:`ShardedTable.compression <sparsecomm.sharded.table.ShardedTable.compression>`)
+            and, under DDP, the replicated tables' gradient rows (the hook's
+            ``sparse_compression``). Not exact: each value is rounded once
+            on the wire and summed at the table's precision (the bound is in
+            docs/PARALLELIZE.md); half the row bytes, for a slow link
+            between hosts. Kept across ``sparsecomm.replan`` and the trial's moves.
         **optimizer_kwargs: the optimizer's options (``lr=...``).
 
     Returns:
@@ -238,7 +272,8 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
     tried = candidates(plan) if config is not None else []
     if len(tried) > 1:
         plan = tried[0].plan   # the trial starts replicated: moving a replica to a shard communicates nothing
-    options = _Options(optimizer_class, optimizer_kwargs, dense, ddp_kwargs, hook_options)
+    options = _Options(optimizer_class, optimizer_kwargs, dense, ddp_kwargs, hook_options,
+                       compression=sparse_compression)
     wrapper = _agree_checks(model, plan, modules, n, options, group)
     if options.former is not None and world(group)[0] == 0 and any(t.bytes_sharded is not None
                                                                    for t in plan.tables.values()):
@@ -251,6 +286,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
     # (its numbers are that world's). Shard the planned tables, with rank 0's rows.
     plan.world_size = n
     src = dist.get_global_rank(process_group, 0) if process_group is not None and n > 1 else 0
+    model.sparsecomm_compression = options.compression   # what sparsecomm.replan groups tables with again
     tables = _shard_tables(model, plan, modules, n, src, process_group)
     model.sparsecomm_plan = plan
     model.sparsecomm_state = None
@@ -264,7 +300,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
         shard_dense(model, tables, process_group, src)   # the model's parameters become FSDP's DTensors
     elif n > 1 and (sparse or any(p.requires_grad for p in model.parameters())):
         wrapped = DDP(model, process_group=process_group, **(ddp_kwargs or {}))
-        model.sparsecomm_state = register(wrapped, **(hook_options or {}))
+        model.sparsecomm_state = register(wrapped, **_hook_options(options))
     sparse_ids = {id(p) for p in sparse}
     dense_params = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse_ids]
     optimizer = build_optimizer(optimizer_class, optimizer_kwargs, dense_params, sparse, tables)

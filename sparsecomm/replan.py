@@ -347,7 +347,7 @@ def _regroup(inner: nn.Module, old_sets: Sequence[Any], plan: Plan) -> None:
             table_set.hook = None
     tables = [inner.get_submodule(n) for n in plan.sharded()]
     if tables:
-        group_tables(inner, tables)
+        group_tables(inner, tables, compression=getattr(inner, "sparsecomm_compression", None))
 
 
 def _wrap(model: nn.Module, inner: nn.Module, process_group, n: int, ddp_kwargs, hook_options) -> nn.Module:
@@ -359,9 +359,9 @@ def _wrap(model: nn.Module, inner: nn.Module, process_group, n: int, ddp_kwargs,
     every rank (the moves made them so), so DDP's initial broadcast is skipped.
     """
     old_state = getattr(inner, "sparsecomm_state", None)
-    if hook_options is None:
-        # The link was measured on the same group: not again.
-        hook_options = {"config": old_state.config, "link": old_state.link} if old_state is not None else {}
+    if hook_options is None:   # the link was measured on the same group: not again; the rows' wire dtype stays
+        hook_options = {"config": old_state.config, "link": old_state.link} if old_state is not None else \
+            {k: v for k, v in {"sparse_compression": getattr(inner, "sparsecomm_compression", None)}.items() if v}
     if ddp_kwargs is None:
         ddp_kwargs = getattr(inner, "sparsecomm_ddp_kwargs", None)
     kwargs = {"init_sync": False, **(ddp_kwargs or {})}

@@ -31,8 +31,8 @@ WORLD = 3
 BAD = 2            # the rank that corrupts what it sends
 V, D = 30, 4
 # Columns of a metadata row (sparsecomm.collectives.sharded_wire): status 0, detail 1, round 2, capacity 3,
-# tables 4, width 5, looked-up flag 6, owned rows 7, fingerprint 8..12, counts 13..15, path (1: pooled) 16,
-# per-sample-weight bytes 17, pooled occurrences 18..20 and bags 21..23 per owner, two byte estimates 24..25, then
+# tables 4, width 5, looked-up flag 6, owned rows 7, fingerprint 8..13, counts 14..16, path (1: pooled) 17,
+# per-sample-weight bytes 18, pooled occurrences 19..21 and bags 22..24 per owner, two byte estimates 25..26, then
 # (once the table has a capacity) the ids for the peer, followed by a pooled lookup's positions and bag lengths
 # (int32 pairs in int64 words).
 META_STATUS, META_CAPACITY, META_NUM_LOCAL = 0, 3, 7

@@ -19,11 +19,11 @@ from sparsecomm.collectives.sharded_wire import (FINGERPRINT_LEN, InputStatus, M
                                                  encode_row, pooled_words, row_width, validate)
 from sparsecomm.types import WireStatus
 
-FORMULA = re.compile(r"``(6 \+ T \* \(3N \+ 11\))``")
+FORMULA = re.compile(r"``(6 \+ T \* \(3N \+ 12\))``")
 
 
 def stated_width(doc: str, tables: int, n: int) -> int:
-    """Evaluate the row-width formula a docstring states (``6 + T * (3N + 11)``) for T tables on N ranks."""
+    """Evaluate the row-width formula a docstring states (``6 + T * (3N + 12)``) for T tables on N ranks."""
     match = FORMULA.search(doc)
     assert match, "the docstring no longer states the metadata row's width as a formula"
     return eval(match.group(1).replace("3N", "3 * N"), {}, {"T": tables, "N": n})
@@ -34,7 +34,7 @@ def request(n: int, t: int, pooled: bool, weights: bool = False) -> TableRequest
     g = torch.Generator().manual_seed(17 * n + t)
     counts = torch.randint(0, 5, (n,), generator=g)
     ids = torch.arange(int(counts.sum()), dtype=torch.int64)
-    fingerprint = (100 + t, 4, t, int(pooled), 0)
+    fingerprint = (100 + t, 4, t, int(pooled), 0, t % 3)
     if not pooled:
         return TableRequest(ids, counts, fingerprint, 1000, 10 + t, estimates=(7 + t, 9 + t))
     occurrences = counts + torch.randint(0, 3, (n,), generator=g)
@@ -58,7 +58,7 @@ def test_the_stated_row_width_is_what_encode_builds(tables, n, pooled):
                 for t in range(tables)]
     header, metas = row_of(requests, n)
     row = encode_row(header, metas)
-    assert len(row) == row_width(tables, n) == 6 + tables * (3 * n + 11)
+    assert len(row) == row_width(tables, n) == 6 + tables * (3 * n + 12)
     assert len(row) == stated_width(sharded_wire.__doc__, tables, n)
     assert len(row) == stated_width(sharded_request.request_rows.__doc__, tables, n)
     capacity = 3
@@ -91,7 +91,7 @@ def test_a_row_decodes_to_what_was_encoded(tables, n, pooled):
 
 def test_validate_names_an_impossible_count():
     n = 3
-    requests = [TableRequest(torch.arange(3), torch.tensor([1, 1, 1]), (30, 4, 0, 0, 0), 30, 10)]
+    requests = [TableRequest(torch.arange(3), torch.tensor([1, 1, 1]), (30, 4, 0, 0, 0, 0), 30, 10)]
     header, metas = row_of(requests, n)
     message = encode_message(encode_row(header, metas), None, n, 6)
     announced = decode_tables(message, decode_headers(message), 1)

@@ -176,7 +176,7 @@ def request_rows(requests: Sequence[TableRequest], status: InputStatus, *, round
             else was exchanged and nothing was sized from a peer's numbers.
 
     One or two all-to-alls whatever the number of tables: the metadata
-    (``6 + T * (3N + 11)`` int64 per peer for T tables on N ranks, laid out in
+    (``6 + T * (3N + 12)`` int64 per peer for T tables on N ranks, laid out in
     :mod:`~sparsecomm.collectives.sharded_wire`: every rank learns every
     rank's counts, which is what lets all of them agree on a bad one without
     another collective) with every peer's ids padded to ``capacity`` behind

@@ -15,10 +15,10 @@ round                  1            rounds this set of tables has done (equal on
 capacity               1            ids per peer padded behind the row (equal on every rank)
 tables                 1            ``T``, the tables of the round
 width                  1            columns this rank needs: the row, then ``capacity``
-*per table*            3N + 11      ``T`` blocks of :class:`TableMeta`:
+*per table*            3N + 12      ``T`` blocks of :class:`TableMeta`:
   present              1              whether this rank looked the table up this round
   owned                1              rows this rank owns
-  fingerprint          5              ``FINGERPRINT_LEN`` ints every rank must agree on
+  fingerprint          6              ``FINGERPRINT_LEN`` ints every rank must agree on
   counts               N              unique ids this rank asks of each owner
   path                 1              0: rows, 1: pooled at the owners
   weight bytes         1              bytes of one per-sample weight (0: none)
@@ -28,7 +28,7 @@ width                  1            columns this rank needs: the row, then ``cap
 padded ids             capacity     for peer j: every table's ids for owner j (then pooled extras)
 =====================  ===========  ===============================================================
 
-A row is therefore ``6 + T * (3N + 11)`` int64 (:func:`row_width`) and the
+A row is therefore ``6 + T * (3N + 12)`` int64 (:func:`row_width`) and the
 message to each peer that plus ``capacity``, then zeros up to the group's
 message width (the largest width any rank needed the round before).
 
@@ -62,7 +62,7 @@ __all__ = ["FINGERPRINT_LEN", "MAX_OCCURRENCES", "META_HEAD", "MAX_WIDTH", "Inpu
 
 # Columns of the row's header (status, detail, round, capacity, tables, width).
 META_HEAD = 6
-FINGERPRINT_LEN = 5
+FINGERPRINT_LEN = 6
 # Per table: present, owned, the fingerprint, N counts, path, weight bytes, N occurrences, N bags, 2 estimates.
 _TABLE_FIXED = 2 + FINGERPRINT_LEN + 2 + 2
 _TABLE_PER_RANK = 3
@@ -101,7 +101,7 @@ class MetaHeader:
 
 @dataclass(frozen=True)
 class TableMeta:
-    """One table's block of a row (``3N + 11`` columns; ints as received, checked by :func:`validate`)."""
+    """One table's block of a row (``3N + 12`` columns; ints as received, checked by :func:`validate`)."""
 
     present: int
     num_local: int
@@ -149,12 +149,12 @@ class Announced(NamedTuple):
 
 
 def table_width(n: int) -> int:
-    """Columns of one table's block on ``n`` ranks: ``3n + 11``."""
+    """Columns of one table's block on ``n`` ranks: ``3n + 12``."""
     return _TABLE_FIXED + _TABLE_PER_RANK * n
 
 
 def row_width(num_tables: int, n: int) -> int:
-    """Columns of a row without its padded ids: ``6 + T (3N + 11)``."""
+    """Columns of a row without its padded ids: ``6 + T (3N + 12)``."""
     return META_HEAD + num_tables * table_width(n)
 
 
@@ -258,8 +258,8 @@ def validate(a: Announced, me: int, num_rows: Sequence[int], weight_itemsize: Se
         theirs = [t.fingerprint for t in tables]
         if theirs != ours:
             return (f"rank {me} is looking up tables {ours} (num_embeddings, embedding_dim, table id, kind, "
-                    f"hot-row version) but rank {r} is looking up {theirs}: ranks must call the same tables in the "
-                    f"same order (and load states into them on every rank)")
+                    f"hot-row version, wire dtype) but rank {r} is looking up {theirs}: ranks must call the same "
+                    f"tables in the same order, with the same compression (and load states into them on every rank)")
     first, mine = a.headers[0], a.headers[me]
     for r, h in enumerate(a.headers):
         if h.capacity != first.capacity:

@@ -37,6 +37,19 @@ gradients land in ``local_weight.grad`` there, before ``backward()``
 returns. A rank that ran out of inputs under ``Join`` takes part in its
 peers' rounds with none of its own (:meth:`TableSet.shadow_step`).
 
+Rows on the wire in half precision (opt-in, not exact): a table with
+``compression`` ``"bf16"`` or ``"fp16"`` sends the rows it serves (or its
+partial pooled bags) and the gradient rows it pushes in that dtype; they are
+cast back to the table's dtype on arrival, so the requester pools and the
+owner sums (and updates) at the table's precision. Each value that travels
+is rounded once: a pulled element ``w`` arrives as ``w (1 + e)``, a partial
+bag ``p_j`` as ``p_j (1 + e_j)``, a rank's gradient row ``g_r`` as
+``g_r (1 + e_r)``, with ``|e| <= u`` (``u = 2^-8`` for bf16, ``2^-11`` for
+fp16), so a step's summed gradient is off by at most ``u sum_r |g_r|`` per
+element beyond float32's own rounding. Ids, counts, the verdicts and hot
+rows stay exact; a world of one sends nothing and rounds nothing. Half the
+row bytes: for a slow link between hosts.
+
 Contract (as DDP's): ranks run the same code path, so their rounds hold the
 same tables in the same order (checked: a mismatch raises on every rank);
 every rank runs backward through a round whose results any rank
@@ -310,7 +323,8 @@ class TableSet:
             routes = finish_request(pending)
         finally:
             if deferred is not None and pending.carried is not None:
-                owner_gradients(self.tables, deferred.tables, deferred.pushing, pending.carried)
+                carried = _from_wire(self.tables, pending.carried)
+                owner_gradients(self.tables, deferred.tables, deferred.pushing, carried)
         self.rounds += 1
         return routes
 
@@ -322,7 +336,7 @@ class TableSet:
         self.capacity = min(_MAX_CAPACITY, routes.largest + routes.largest // 8 + 8)
         self.pooling.update(self.tables, routes.estimates, self.rounds)
         served = [serve(t, info, routes, i) for i, (t, info) in enumerate(zip(self.tables, tables))]
-        got = pull_rows(served, routes, self.group, self.stats)
+        got = _from_wire(self.tables, pull_rows(_to_wire(self.tables, served), routes, self.group, self.stats))
         rows = [g if info.hot_positions is None else torch.cat([g, t.hot.weight.index_select(0, info.hot_positions)])
                 for t, g, info in zip(self.tables, got, tables)]
         return rows, routes, tables
@@ -335,12 +349,13 @@ class TableSet:
         send = [s if p else [0] * n for s, p in zip(routes.rows_send, pushing)]
         recv = [r if p else [0] * n for r, p in zip(routes.rows_recv, pushing)]
         rows = gradient_rows(self.tables, tables, grads, pushing, send)
+        cold = _to_wire(self.tables, rows.cold)
         routes = routes._replace(rows_send=send, rows_recv=recv, problem=None)
         if self._defers(pushing):
             self.push_deferred()  # an earlier round's pending gradient is applied first (updates keep their order)
-            self._deferred = DeferredPush(tables, pushing, routes, rows.cold)
+            self._deferred = DeferredPush(tables, pushing, routes, cold)
             return [None] * len(self.tables)
-        got = exchange_rows(rows.cold, routes, self.group, self.stats)
+        got = _from_wire(self.tables, exchange_rows(cold, routes, self.group, self.stats))
         hot_sums = sync_hot_gradients(rows.hot, self.group, n, [t.grad_reduction == "mean" for t in rows.hot_tables],
                                       [t.stats for t in rows.hot_tables])
         out = owner_gradients(self.tables, tables, pushing, got)
@@ -378,7 +393,7 @@ class TableSet:
         if d is None:
             return
         got = exchange_rows(d.rows, d.routes, self.group, self.stats)
-        owner_gradients(self.tables, d.tables, d.pushing, got)
+        owner_gradients(self.tables, d.tables, d.pushing, _from_wire(self.tables, got))
 
     def push_after_graph(self, round_no: int, routes: Routes, tables: List[TableRound],
                          grads: Sequence[Optional[torch.Tensor]], pull_seconds: float) -> None:
@@ -461,6 +476,18 @@ class TableSet:
         """Run the open round and push a pending deferred gradient (collective): the shards hold every update."""
         self.flush()
         self.push_deferred()
+
+
+def _to_wire(tables: Sequence[LookupTable], blocks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each table's float rows in its wire dtype (``compression``) where they travel to peers; the rest as they are."""
+    return [b.to(t.wire_dtype) if t.wire_dtype is not None and t.group is not None and b.is_floating_point() else b
+            for t, b in zip(tables, blocks)]
+
+
+def _from_wire(tables: Sequence[LookupTable], blocks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Rows that arrived in a table's wire dtype back in the table's own, before anything uses or sums them."""
+    return [b.to(t.local_weight.dtype) if b.is_floating_point() and b.dtype != t.local_weight.dtype else b
+            for t, b in zip(tables, blocks)]
 
 
 def _accumulate(tables: Sequence[LookupTable], grads: Sequence[Optional[torch.Tensor]]) -> None:

@@ -19,6 +19,7 @@ from sparsecomm.collectives.step_order import anchor
 from sparsecomm.sharded.lookup import TableSet
 from sparsecomm.sharded.pending import resolve
 from sparsecomm.sharded.table import ShardedTable
+from sparsecomm.sharded.wire import check_compression
 
 __all__ = ["sharded_modules", "group_tables", "flush", "split_round_message"]
 
@@ -29,7 +30,8 @@ def sharded_modules(model: nn.Module) -> List[Tuple[str, ShardedTable]]:
     return [(name, m) for name, m in inner.named_modules() if isinstance(m, ShardedTable)]
 
 
-def group_tables(model: nn.Module, tables: Optional[Sequence[ShardedTable]] = None) -> TableSet:
+def group_tables(model: nn.Module, tables: Optional[Sequence[ShardedTable]] = None, *,
+                 compression: Optional[str] = None) -> TableSet:
     """Make the sharded tables of ``model`` share lookup rounds (lazy): one exchange per direction per step.
 
     Every rank calls it, on the same model. A forward hook on ``model`` runs
@@ -43,6 +45,9 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[ShardedTable]] = No
         model: the module whose forward looks the tables up (not a DDP wrapper:
             pass ``ddp.module``, or group before wrapping).
         tables: the tables to group (default: every sharded table of ``model``).
+        compression: None (default: exact), ``"bf16"`` or ``"fp16"``: every
+            grouped table's rows and gradient rows travel in that dtype
+            (:attr:`~sparsecomm.sharded.table.ShardedTable.compression`).
 
     Returns:
         The :class:`~sparsecomm.sharded.lookup.TableSet` (``flush()`` runs an
@@ -52,10 +57,12 @@ def group_tables(model: nn.Module, tables: Optional[Sequence[ShardedTable]] = No
         tables = [t for _, t in sharded_modules(model)]
     if not tables:
         raise ValueError(f"{type(model).__name__} contains no sharded table to group")
+    compression = check_compression(compression)
     table_set = TableSet(tables, lazy=True)
     for t in tables:
         t.table_set.settle()  # a lookup still pending in its old set runs there first, and its gradient is pushed
         t.table_set = table_set
+        t.compression = compression
 
     names = {id(t): n for n, t in sharded_modules(model)}
     labels = [names.get(id(t), type(t).__name__) for t in table_set.tables]

@@ -75,6 +75,10 @@ class LookupTable(Protocol):
         """The dedicated group the table exchanges over (None: no peers)."""
 
     @property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the table's rows and gradient rows travel in between ranks, or None: its own."""
+
+    @property
     def optimizer(self) -> Optional[Any]:
         """The attached sharded optimizer (``fused``, ``defer``, ``apply_rows``...), or None."""
 

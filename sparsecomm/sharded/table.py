@@ -52,6 +52,7 @@ from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.sharded.lookup import TableSet
 from sparsecomm.sharded.pending import Lookup, Prefetched
 from sparsecomm.sharded.row_log import RowLog
+from sparsecomm.sharded.wire import WIRE_CODES, WIRE_DTYPES, Compression
 from sparsecomm.types import PartitionScheme, SparseSyncStats
 
 __all__ = ["ShardedTable", "STATE_FORMAT", "KIND_EMBEDDING", "KIND_BAG", "left_out_of_state_dicts"]
@@ -257,6 +258,14 @@ class ShardedTable(nn.Module):
     def table_set(self, table_set: TableSet) -> None:
         self._set = table_set
 
+    # None, "bf16" or "fp16": the dtype rows and gradient rows travel in between ranks (sparsecomm.sharded.wire).
+    compression = Compression()
+
+    @property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """The dtype of this table's rows on the wire (``compression``), or None: the table's own."""
+        return WIRE_DTYPES[self.compression]
+
     @property
     def optimizer(self) -> Optional[Any]:
         """The sharded optimizer updating this table (the last one attached), or None."""
@@ -299,10 +308,11 @@ class ShardedTable(nn.Module):
         handle.lookup.grad_enabled = torch.is_grad_enabled()
         return handle.lookup
 
-    def fingerprint(self) -> Tuple[int, int, int, int, int]:
-        """Ints every rank's lookup of this table must agree on: shape, construction order, kind, hot-set version."""
+    def fingerprint(self) -> Tuple[int, int, int, int, int, int]:
+        """Ints every rank's lookup of this table must agree on: shape, construction order, kind, hot-set version,
+        wire dtype (0: the table's own, 1: fp16, 2: bf16)."""
         return (self.num_embeddings, self.embedding_dim, self.table_id, self._kind,
-                self.hot.version if self.hot is not None else 0)
+                self.hot.version if self.hot is not None else 0, WIRE_CODES[self.compression])
 
     def padding_position(self, unique: torch.Tensor) -> Optional[int]:
         """Position of the padding row among a round's sorted unique ids, or None."""
