@@ -12,6 +12,10 @@ step by step, on the same batches (noise hits all alike):
   rows in bf16 on the wire: not exact, so never the verdict's pick; SGD and
   Adagrad only, since Adam's first step takes a sign that a rounded sum of
   nearly cancelling gradients may flip);
+- ``parallelize_bf16``: ``parallelize`` as below, with ``sparse_compression="bf16"``
+  (every embedding row and gradient row in bf16 between ranks: the sharded
+  tables' rounds and the replicated tables' sync; not exact, SGD and
+  Adagrad only, like ``register_bf16``);
 - ``parallelize``: ``sparsecomm.parallelize(model, Optimizer, lr=...)`` as a
   user calls it, no plan given: it plans from the model alone (large bag
   tables table-wise, spread over the ranks, where that moves fewer bytes),
@@ -85,7 +89,7 @@ from sparsecomm.sharded.combined import build_optimizer
 from sparsecomm.synthetic import zipf_ids
 
 METHODS = ("ddp", "register", "parallelize", "parallelize_plan", "sharded")
-LOSSY = ("register_bf16",)   # compared, checked against the same tolerance, left out of the verdict
+LOSSY = ("register_bf16", "parallelize_bf16")   # compared, checked against the same tolerance, left out of the verdict
 PHASES = ("forward", "backward", "optimizer", "step")
 # Adagrad starts its accumulators at 0.1 (as DLRM setups do): a first step of lr * g / |g| would make the
 # float64 check meaningless for gradients near zero, where float32 and float64 disagree on the sign.
@@ -271,8 +275,9 @@ def _build(method: str, model: nn.Module, a: argparse.Namespace, rows: Sequence[
         if method != "ddp":
             sparsecomm.register(model, sparse_compression="bf16" if method == "register_bf16" else None)
         return model, reference_optimizer(model.module, optimizer), ""
-    if method == "parallelize":  # as a user calls it: no plan, no sample batch
-        model, opt = sparsecomm.parallelize(model, cls, **kw)
+    if method in ("parallelize", "parallelize_bf16"):  # as a user calls it: no plan, no sample batch
+        compression = "bf16" if method == "parallelize_bf16" else None
+        model, opt = sparsecomm.parallelize(model, cls, sparse_compression=compression, **kw)
         return model, opt, str(getattr(getattr(model, "module", model), "sparsecomm_plan", ""))
     if method in ("parallelize_plan", "sharded"):
         plan = sparsecomm.plan(model, make_batch(a, rows, 0, dist.get_rank()), optimizer=cls)
@@ -302,7 +307,7 @@ def _bytes_moved(method: str, model: nn.Module, batches: Sequence[Dict[str, Any]
     for i, v in enumerate(rows):
         ids = [torch.unique(b["ids"][i]) for b in batches]
         k, union = sum(x.numel() for x in ids) / n, torch.unique(torch.cat(ids)).numel()
-        row, idb = a.dim * 4, torch.empty(0, dtype=wire_index_dtype(v)).element_size()
+        row, idb = a.dim * (2 if method in LOSSY else 4), torch.empty(0, dtype=wire_index_dtype(v)).element_size()
         table = sharded.get(f"tables.{i}")
         if table is not None and table.scheme == "table":
             for r in range(n):
