@@ -23,7 +23,8 @@ from distributed import expect_value_error, spawned_fixture, weight_diffs
 
 GLOBAL_BATCH = 6
 TOL = 1e-6
-FAST = TrialConfig(warmup=1, settle=1, measure=2)
+# No drift re-check: a step slowed by a busy machine must not start one in the cases that check the first decision.
+FAST = TrialConfig(warmup=1, settle=1, measure=2, drift=0)
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.02)),      # small enough that training converges: a diverging
               "adagrad": (torch.optim.Adagrad, dict(lr=0.05, initial_accumulator_value=0.1)),  # run amplifies roundoff
               "adam": (torch.optim.Adam, dict(lr=0.01))}
@@ -205,7 +206,8 @@ def case_confirm(rank, world):
         step += 1
     assert_same(model, ref.model, f"after a confirmed trial, world {world}")
     again = [e for e in trial.log if "measured again, back to back" in e]
-    assert trial.done and len(again) == 1 and "replicated and row-sharded within 10%" in again[0], trial.report()
+    close = ("replicated and row-sharded within 10%", "row-sharded and replicated within 10%")   # faster first
+    assert trial.done and len(again) == 1 and any(c in again[0] for c in close), trial.report()
     assert trial.candidates[trial.kept].name in ("replicated", "row-sharded")
     assert trial.sampled_plan is None and len(trial.candidates) == 3
     # confirm=0: the first pass decides
