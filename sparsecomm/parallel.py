@@ -31,7 +31,7 @@ from sparsecomm.sharded.combined import ParallelOptimizer, build_optimizer, chec
 from sparsecomm.sharded.embedding import ShardedEmbedding, ShardedEmbeddingBag
 from sparsecomm.sharded.fsdp import DENSE_WRAPPERS, check_fsdp, fsdp_submodules, shard_dense
 from sparsecomm.sharded.model import group_tables
-from sparsecomm.sharded.wire import check_compression
+from sparsecomm.sharded.wire import check_compression, with_compression
 from sparsecomm.trial import PlacementTrial, TrialConfig, can_try, candidates
 
 __all__ = ["parallelize"]
@@ -150,16 +150,11 @@ def _check_compression(options: "_Options") -> None:
         c = options.compression = check_compression(options.compression)
     except ValueError as exc:
         raise ValueError(f"sparsecomm.parallelize: sparse_{exc}") from None
-    given = (options.hook_options or {}).get("sparse_compression", c)
+    hook = options.hook_options or {}
+    given = hook.get("sparse_compression", getattr(hook.get("config"), "sparse_compression", None) or c)
     if c is not None and given != c:
         raise ValueError(f"sparsecomm.parallelize: sparse_compression={c!r} but hook_options has "
                          f"sparse_compression={given!r}: give it once")
-
-
-def _hook_options(options: "_Options") -> Dict[str, Any]:
-    """The hook's options: the user's, with ``sparse_compression`` for the replicated tables' gradient rows."""
-    extra = {"sparse_compression": options.compression} if options.compression is not None else {}
-    return {**(options.hook_options or {}), **extra}
 
 
 @dataclass
@@ -300,7 +295,7 @@ def parallelize(model: nn.Module, optimizer_class: Type[torch.optim.Optimizer], 
         shard_dense(model, tables, process_group, src)   # the model's parameters become FSDP's DTensors
     elif n > 1 and (sparse or any(p.requires_grad for p in model.parameters())):
         wrapped = DDP(model, process_group=process_group, **(ddp_kwargs or {}))
-        model.sparsecomm_state = register(wrapped, **_hook_options(options))
+        model.sparsecomm_state = register(wrapped, **with_compression(options.hook_options, options.compression))
     sparse_ids = {id(p) for p in sparse}
     dense_params = [p for p in model.parameters() if p.requires_grad and id(p) not in sparse_ids]
     optimizer = build_optimizer(optimizer_class, optimizer_kwargs, dense_params, sparse, tables)

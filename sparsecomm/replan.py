@@ -49,7 +49,7 @@ from sparsecomm.collectives.sharded_exchange import allgather_table_rows
 from sparsecomm.hooks import register
 from sparsecomm.placement import REPLICATE, TableSpec, Where, current_placement, planned_placement
 from sparsecomm.planner import Plan, embedding_modules
-from sparsecomm.sharded import dcp
+from sparsecomm.sharded import dcp, wire
 from sparsecomm.sharded.combined import Incoming, OptimizerSpec, ParallelOptimizer, check_optimizer
 from sparsecomm.sharded.model import flush, group_tables, sharded_modules
 from sparsecomm.sharded.table import ShardedTable
@@ -359,9 +359,9 @@ def _wrap(model: nn.Module, inner: nn.Module, process_group, n: int, ddp_kwargs,
     every rank (the moves made them so), so DDP's initial broadcast is skipped.
     """
     old_state = getattr(inner, "sparsecomm_state", None)
-    if hook_options is None:   # the link was measured on the same group: not again; the rows' wire dtype stays
-        hook_options = {"config": old_state.config, "link": old_state.link} if old_state is not None else \
-            {k: v for k, v in {"sparse_compression": getattr(inner, "sparsecomm_compression", None)}.items() if v}
+    if hook_options is None:   # the link was measured on the same group: not again
+        hook_options = {"config": old_state.config, "link": old_state.link} if old_state is not None else {}
+    hook_options = wire.with_compression(hook_options, getattr(inner, "sparsecomm_compression", None))
     if ddp_kwargs is None:
         ddp_kwargs = getattr(inner, "sparsecomm_ddp_kwargs", None)
     kwargs = {"init_sync": False, **(ddp_kwargs or {})}
@@ -430,7 +430,7 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
             wrapper when the set of replicated parameters changes (default:
             those given to ``parallelize``).
         hook_options: the hook's options for that wrapper (default: the old
-            hook's settings).
+            hook's settings), with parallelize's ``sparse_compression`` where they set none.
         stale: :class:`~sparsecomm.stale.StaleReplicas` (the same object at
             every replan of the model): later moves of a table that left its
             replica send only the rows that changed since (a replica's memory).

@@ -37,18 +37,16 @@ gradients land in ``local_weight.grad`` there, before ``backward()``
 returns. A rank that ran out of inputs under ``Join`` takes part in its
 peers' rounds with none of its own (:meth:`TableSet.shadow_step`).
 
-Rows on the wire in half precision (opt-in, not exact): a table with
-``compression`` ``"bf16"`` or ``"fp16"`` sends the rows it serves (or its
-partial pooled bags) and the gradient rows it pushes in that dtype; they are
-cast back to the table's dtype on arrival, so the requester pools and the
-owner sums (and updates) at the table's precision. Each value that travels
-is rounded once: a pulled element ``w`` arrives as ``w (1 + e)``, a partial
-bag ``p_j`` as ``p_j (1 + e_j)``, a rank's gradient row ``g_r`` as
-``g_r (1 + e_r)``, with ``|e| <= u`` (``u = 2^-8`` for bf16, ``2^-11`` for
-fp16), so a step's summed gradient is off by at most ``u sum_r |g_r|`` per
-element beyond float32's own rounding. Ids, counts, the verdicts and hot
-rows stay exact; a world of one sends nothing and rounds nothing. Half the
-row bytes: for a slow link between hosts.
+Rows on the wire in half precision (opt-in, not exact; :mod:`~sparsecomm.sharded.wire`):
+a table with ``compression`` ``"bf16"`` or ``"fp16"`` sends the rows it
+serves (or its partial bags) and the gradient rows it pushes in that dtype,
+cast back to the table's dtype on arrival, so requesters pool and owners sum
+at the table's precision. Each value travels rounded once, ``x (1 + e)``
+with ``|e| <= u`` (``2^-8`` bf16; ``2^-11`` fp16 within its normal range,
+``|x|`` in [6.1e-5, 65504]), so an owner's gradient is off by at most ``u``
+times the summed ``|g|`` of the rows pushed for that row (one per rank, or
+one per bag when pooled) beyond float32's own rounding. Ids, counts,
+verdicts and hot rows stay exact; a world of one rounds nothing.
 
 Contract (as DDP's): ranks run the same code path, so their rounds hold the
 same tables in the same order (checked: a mismatch raises on every rank);

@@ -137,7 +137,8 @@ def rows_estimates(t: LookupTable, part: ops.Partition, unique: int, inverse: to
 def pooled_estimates(t: LookupTable, counts: torch.Tensor, occurrences: torch.Tensor, bag_counts: torch.Tensor,
                      weight_bytes: int, me: int) -> Tuple[int, int]:
     """``(rows path, pooled path)`` bytes this rank sends and receives for one lookup (forward + backward)."""
-    row = t.embedding_dim * t.local_weight.element_size()
+    wire = t.wire_dtype   # compressed rows cost their wire width both ways
+    row = t.embedding_dim * (wire.itemsize if wire is not None else t.local_weight.element_size())
     others = torch.ones_like(counts, dtype=torch.bool)
     if others.numel() > me:
         others[me] = False

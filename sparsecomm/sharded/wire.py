@@ -11,11 +11,11 @@ fingerprint, so a round on ranks that disagree raises ``ValueError`` on every ra
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 
-__all__ = ["Compression", "WIRE_CODES", "WIRE_DTYPES", "check_compression"]
+__all__ = ["Compression", "WIRE_CODES", "WIRE_DTYPES", "check_compression", "with_compression"]
 
 # A wire setting's dtype, and its code in a table's fingerprint (0: the table's own dtype).
 WIRE_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -31,6 +31,16 @@ def check_compression(value: Any) -> Optional[str]:
     return value
 
 
+def with_compression(hook_options: Optional[Dict[str, Any]], compression: Optional[str]) -> Dict[str, Any]:
+    """The DDP hook's options with ``sparse_compression=compression`` for the replicated tables' rows, unless they
+    set their own (``sparse_compression``, or a ``config`` that has one): ``parallelize`` and ``replan`` both wrap."""
+    options = dict(hook_options or {})
+    if compression is not None and "sparse_compression" not in options and \
+            getattr(options.get("config"), "sparse_compression", None) is None:
+        options["sparse_compression"] = compression
+    return options
+
+
 class Compression:
     """The ``compression`` attribute of a sharded table (a checked setting; the module docstring says what it does)."""
 
@@ -41,4 +51,8 @@ class Compression:
         return self if obj is None else obj.__dict__.get(self.attr)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        obj.__dict__[self.attr] = check_compression(value)
+        value = check_compression(value)
+        busy = obj.table_set.busy() if "_set" in obj.__dict__ else None
+        if busy is not None and value != obj.__dict__.get(self.attr):   # its rows would travel in two dtypes
+            raise ValueError(f"compression cannot change now: {busy}; set it between steps")
+        obj.__dict__[self.attr] = value
