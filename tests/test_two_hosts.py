@@ -18,7 +18,9 @@ pytestmark = [
 
 
 def _namespaces():
-    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    """The emulated hosts' namespaces on this machine now (a killed run's may be among them: not this test's)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.startswith("sc_host")}
 
 
 def _can_make_namespaces():
@@ -30,6 +32,7 @@ def _can_make_namespaces():
 def test_local_aggregation_cuts_bytes_between_hosts(tmp_path):
     if not _can_make_namespaces():
         pytest.skip("network namespaces not permitted here")
+    before = _namespaces()
     out_json = tmp_path / "rows.json"
     out = subprocess.run([sys.executable, str(SCRIPT), "--rows", "20000", "--density", "0.02", "--iters", "2",
                           "--rate", "500mbit", "--json", str(out_json)], capture_output=True, text=True, timeout=300)
@@ -37,16 +40,17 @@ def test_local_aggregation_cuts_bytes_between_hosts(tmp_path):
     flat, local = json.loads(out_json.read_text())
     assert flat["mode"] == "flat" and local["mode"] == "local-aggregation"
     assert 0 < local["inter_host_MB_per_call"] < flat["inter_host_MB_per_call"]
-    assert "sc_host" not in _namespaces()
+    assert not _namespaces() - before, "the run left its namespaces behind"
 
 
 def test_cleans_up_when_ranks_fail():
     if not _can_make_namespaces():
         pytest.skip("network namespaces not permitted here")
+    before = _namespaces()
     out = subprocess.run([sys.executable, str(SCRIPT), "--rows", "1000", "--fail", "--timeout", "120"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "failed" in out.stderr
-    assert "sc_host" not in _namespaces()
+    assert not _namespaces() - before, "the run left its namespaces behind"
 
 
 CLUSTER = SCRIPT.parent / "cluster.py"
@@ -55,6 +59,7 @@ CLUSTER = SCRIPT.parent / "cluster.py"
 def test_cluster_sweep_checks_every_method_and_cleans_up(tmp_path):
     if not _can_make_namespaces():
         pytest.skip("network namespaces not permitted here")
+    before = _namespaces()
     out_json = tmp_path / "cluster.json"
     out = subprocess.run([sys.executable, str(CLUSTER), "--topologies", "2x1", "--rates", "500mbit",
                           "--overlaps", "shared", "--densities", "0.01", "--rows", "20000", "--iters", "1",
@@ -69,13 +74,14 @@ def test_cluster_sweep_checks_every_method_and_cleans_up(tmp_path):
     tuned = [r for r in records if r["method"] == "tuned"]
     assert len(tuned) == 1 and tuned[0]["picked"] in tuned[0]["tried"] and tuned[0]["wrong"] == 0
     assert tuned[0]["explore_syncs"] == 3 * len(tuned[0]["tried"]) and tuned[0]["seconds"] > 0
-    assert "sc_host" not in _namespaces()
+    assert not _namespaces() - before, "the run left its namespaces behind"
 
 
 def test_cluster_cleans_up_when_ranks_fail():
     if not _can_make_namespaces():
         pytest.skip("network namespaces not permitted here")
+    before = _namespaces()
     out = subprocess.run([sys.executable, str(CLUSTER), "--topologies", "2x1", "--rows", "1000", "--fail",
                           "--timeout", "120"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "failed" in out.stderr
-    assert "sc_host" not in _namespaces()
+    assert not _namespaces() - before, "the run left its namespaces behind"
