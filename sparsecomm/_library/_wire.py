@@ -61,7 +61,7 @@ def coalesce_segments(buffer: Tensor, segments: List[int], id_bytes: int, value_
                       num_rows: int, out_ids_dtype: torch.dtype, out_acc: bool) -> Tuple[Tensor, Tensor]:
     nseg = len(segments) // 3
     seg = torch.tensor(segments, dtype=torch.int64).view(nseg, 3).t().contiguous()
-    esz = torch.empty(0, dtype=value_dtype).element_size()
+    esz = value_dtype.itemsize
     plan = _C.coalesce_segments_plan(buffer.data_ptr(), buffer.numel(), nseg, seg[0].data_ptr(), seg[1].data_ptr(),
                                      seg[2].data_ptr(), id_bytes, d * esz, esz, num_rows,
                                      INDEX_CODE[out_ids_dtype], threads(buffer.numel()))
@@ -76,7 +76,7 @@ def coalesce_segments(buffer: Tensor, segments: List[int], id_bytes: int, value_
 @cuda_kernel("coalesce_segments")
 def _(buffer: Tensor, segments: List[int], id_bytes: int, value_dtype: torch.dtype, d: int, num_rows: int,
       out_ids_dtype: torch.dtype, out_acc: bool) -> Tuple[Tensor, Tensor]:
-    esz = torch.empty(0, dtype=value_dtype).element_size()
+    esz = value_dtype.itemsize
     ids, rows = [], []
     for s in range(0, len(segments), 3):
         count, id_off, val_off = segments[s:s + 3]

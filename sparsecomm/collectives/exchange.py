@@ -100,7 +100,7 @@ def _wire_shape(t: Block) -> Tuple[int, ...]:
 
 
 def _wire_width(t: Block) -> int:
-    return math.prod(_wire_shape(t)) * torch.empty(0, dtype=_wire_dtype(t)).element_size()
+    return math.prod(_wire_shape(t)) * _wire_dtype(t).itemsize
 
 
 def wire_row_bytes(t: Block) -> int:
@@ -398,7 +398,7 @@ def all_to_all_same_chunk(regions: Sequence[Region], group: Optional[dist.Proces
     first = send[:size]
     for r, at in zip(regions, offsets):
         dtype = r.dtype or r.source.dtype
-        used = r.source.numel() * torch.empty(0, dtype=dtype).element_size()
+        used = r.source.numel() * dtype.itemsize
         if used:
             first[at:at + used].view(dtype).copy_(r.source.reshape(-1))
     for j in range(1, n):

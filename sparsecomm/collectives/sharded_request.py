@@ -336,7 +336,7 @@ def _checked(p: PendingRequest, received: torch.Tensor, headers: List[MetaHeader
     announced = decode_tables(received, headers, count)
     if not p.status.ok:
         raise ValueError(p.status.message)
-    itemsizes = [torch.empty(0, dtype=r.weight_dtype).element_size() for r in p.requests]
+    itemsizes = [r.weight_dtype.itemsize for r in p.requests]
     problem = validate(announced, p.me, [r.num_rows for r in p.requests], itemsizes)
     if problem is not None:
         raise ValueError(f"sparsecomm sharded lookup: {problem}; nothing was exchanged")
@@ -344,22 +344,23 @@ def _checked(p: PendingRequest, received: torch.Tensor, headers: List[MetaHeader
 
 
 def _sizes(p: PendingRequest, a: Announced) -> _Sizes:
-    """The words every rank sends every owner, from the checked counts."""
+    """The words every rank sends every owner, from the checked counts (plain ints: a few per rank)."""
     me, n, count = p.me, p.n, len(p.requests)
     paths = [[tables[t].path for tables in a.tables] for t in range(count)]
     weight_bytes = [[tables[t].weight_bytes for tables in a.tables] for t in range(count)]
-    words = torch.zeros_like(a.counts)                                                # [table, rank, owner]
+    words = []                                                                        # [table][rank][owner]
     for t in range(count):
-        for r in range(n):
-            words[t, r] = a.counts[t, r]
-            if paths[t][r]:
-                words[t, r] += torch.tensor([pooled_words(int(o), int(b), weight_bytes[t][r])
-                                             for o, b in zip(a.occurrences[t, r].tolist(), a.bags[t, r].tolist())])
-    per_pair = words.sum(0)                                                           # [rank, owner], all tables
+        per_rank = []
+        for tables in a.tables:
+            m = tables[t]
+            extra = [pooled_words(o, b, m.weight_bytes) for o, b in zip(m.occurrences, m.bags)] if m.path else None
+            per_rank.append([c + e for c, e in zip(m.counts, extra)] if extra else list(m.counts))
+        words.append(per_rank)
+    largest = max((sum(words[t][r][j] for t in range(count)) for r in range(n) for j in range(n)), default=0)
     pooled_any = any(r.pooled is not None for r in p.requests) or any(any(x) for x in paths)
-    return _Sizes(paths, weight_bytes, [a.counts[t, :, me].tolist() for t in range(count)],
-                  [words[t, :, me].tolist() for t in range(count)], [words[t, me, :].tolist() for t in range(count)],
-                  int(per_pair.max()) if per_pair.numel() else 0, pooled_any)
+    return _Sizes(paths, weight_bytes, [[a.tables[r][t].counts[me] for r in range(n)] for t in range(count)],
+                  [[words[t][r][me] for r in range(n)] for t in range(count)], [words[t][me] for t in range(count)],
+                  largest if count else 0, pooled_any)
 
 
 def _exchange_ids(p: PendingRequest, received: torch.Tensor, s: _Sizes) -> torch.Tensor:
@@ -390,7 +391,8 @@ def _split(p: PendingRequest, a: Announced, s: _Sizes, got: torch.Tensor) -> Rou
             ids_t.append(piece[:ids])
             part = None
             if s.paths[t][src]:
-                part = decode_pooled(piece[ids:], int(a.occurrences[t, src, me]), int(a.bags[t, src, me]),
+                m = a.tables[src][t]
+                part = decode_pooled(piece[ids:], m.occurrences[me], m.bags[me],
                                      r.weight_dtype if s.weight_bytes[t][src] else None)
                 problem = problem or pooled_problem(part, ids, src, me)
             parts_t.append(part)
@@ -398,9 +400,8 @@ def _split(p: PendingRequest, a: Announced, s: _Sizes, got: torch.Tensor) -> Rou
         pooled_parts.append(parts_t)
     for r, ids, counts in zip(p.requests, requested, s.recv):
         problem = problem or ids_problem(ids, counts, me, r.num_rows, r.owns)
-    rows_send = [[int(a.bags[t, me, j]) if s.paths[t][me] else p.send[t][j] for j in range(n)]
-                 for t in range(count)]
-    rows_recv = [[int(a.bags[t, r, me]) if s.paths[t][r] else s.recv[t][r] for r in range(n)]
+    rows_send = [list(a.tables[me][t].bags if s.paths[t][me] else p.send[t]) for t in range(count)]
+    rows_recv = [[a.tables[r][t].bags[me] if s.paths[t][r] else s.recv[t][r] for r in range(n)]
                  for t in range(count)]
     present = [any(tables[t].present for tables in a.tables) for t in range(count)]
     estimates = [[tables[t].estimates for tables in a.tables] for t in range(count)]

@@ -197,7 +197,7 @@ def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncSt
     stats.world_size, stats.rows_in, stats.num_rows = plan.world_size, indices.shape[1], num_rows
     stats.method = path.method.value
     stats.row_bytes = math.prod(values.shape[1:]) * values.element_size()
-    stats.index_bytes = torch.empty(0, dtype=rows.wire_ids).element_size()
+    stats.index_bytes = rows.wire_ids.itemsize
     stats.hierarchical = rows.hierarchical
     # Bad input is found locally but reported through the metadata exchange,
     # so every rank raises together instead of the others hanging.

@@ -244,7 +244,7 @@ def _dense_bucket(state: SparseCommState, bucket: dist.GradBucket, buffer: torch
                                            params, buffer, decide=False))
     fut = allreduce_mean_async(buffer, state.process_group, state.config.compression)
     wire = COMPRESSION_DTYPES[state.config.compression]
-    elem = torch.empty(0, dtype=wire).element_size() if wire is not None else buffer.element_size()
+    elem = wire.itemsize if wire is not None else buffer.element_size()
     nbytes = ring_allreduce_bytes(buffer.numel(), elem, state.world_size)
     return _then(state, fut, params, buffer, lambda f: _finish_dense(state, f.value(), bucket, nbytes, start))
 

@@ -106,7 +106,7 @@ class _Link:
     def __init__(self, t: TensorRows, plan: SyncPlan):
         self.t, self.plan = t, plan
         self.dev = plan.comm_device
-        self.wi = torch.empty(0, dtype=t.wire_ids).element_size()
+        self.wi = t.wire_ids.itemsize
         self.wv = math.prod(t.value_shape()) * t.values.element_size()   # a row on the wire (maybe compressed)
         self.sent = [0] * plan.world_size
         self.recv = [0] * plan.world_size
