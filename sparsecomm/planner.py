@@ -26,7 +26,7 @@ The rule, in order (the first that applies):
    hook's cheaper path: allgather or partitioned, and the optimizer on all U
    rows; the optimizer's time per row measured in the job, in link bytes:
    :mod:`sparsecomm.prices`) are sharded together when their summed saving beats the price of
-   the lookup round's own collectives (3 all-to-alls a step, priced with the
+   the lookup round's own collectives (2 all-to-alls a step, priced with the
    measured latency of one in bytes); without one: shard (large tables).
 
 Then the sharded bag tables are placed table-wise (:func:`place_tables`)

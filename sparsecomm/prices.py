@@ -46,8 +46,9 @@ __all__ = ["JobPrices", "measure_prices", "predict", "OPTIMIZER_BYTE_PRICE", "RO
 # price of one such byte in link bytes when nothing was measured.
 _OPT_TOUCH = {"SGD": 2, "Adagrad": 4, "Adam": 6, "SparseAdam": 6}
 OPTIMIZER_BYTE_PRICE = 1 / 16
-# All-to-alls a step of sharded tables costs (ids, rows, gradients), whatever their number.
-ROUND_COLLECTIVES = 3
+# All-to-alls a step of sharded tables costs, whatever their number: the ids (with the last step's gradient
+# rows: parallelize's optimizers defer the push) and the rows.
+ROUND_COLLECTIVES = 2
 _SCRATCH_ROWS = 16384   # rows of the scratch table the optimizer is timed on
 _REPEATS = 5
 

@@ -61,8 +61,7 @@ _WHAT = "sparsecomm.replan"
 
 
 class ReplanBusy(ValueError):
-    """Refused because the model is mid-step on some rank (gradients pending, lookups open, a round prefetched or
-    awaiting its backward): the same replan can go through after ``step()`` and ``zero_grad()``."""
+    """Refused: the model is mid-step on some rank; the same replan goes through after step() and zero_grad()."""
 
 
 @dataclasses.dataclass
@@ -91,7 +90,8 @@ def _busy(optimizer: ParallelOptimizer, inner: nn.Module) -> Optional[str]:
         return ("gradients are pending (between backward and step(), e.g. accumulating): call step() and "
                 "zero_grad() first")
     for name, t in sharded_modules(inner):
-        if _has_grad(t.local_weight.grad) or (t.hot is not None and t.hot.gradient() is not None):
+        if _has_grad(t.local_weight.grad) or (t.optimizer is not None and t.optimizer.in_flight(t.local_weight)) \
+                or (t.hot is not None and t.hot.gradient() is not None):
             return f"table {name!r} has a gradient pending: call step() and zero_grad() first"
         busy = t.table_set.busy()
         if busy:

@@ -1,16 +1,20 @@
-"""Deferred gradient pushes (``fused=True, defer=True``): the same training with one all-to-all fewer a step.
+"""Deferred gradient pushes (``defer=True``): the same training with one all-to-all fewer a step.
 
 A deferred backward keeps its gradient rows until the next round's request
-carries them; the owner applies them before serving that round. Every case
-compares against the same fused optimizer without ``defer`` bitwise (the same
-rule applied to the same coalesced gradient, in the same order), and the
-single-process reference of ``test_sharded_pooling`` covers the fused path
-itself. World sizes 1-3 with skewed batches, an empty rank and empty bags.
+carries them; they land before the owner serves that round: applied there
+(``fused=True``), or added to ``local_weight.grad`` with the ``step()`` and
+``zero_grad()`` calls made meanwhile replayed in order (unfused, what
+``parallelize`` builds). Every case compares against the same optimizer
+without ``defer`` bitwise (the same rule applied to the same coalesced
+gradient, in the same order), and the single-process reference of
+``test_sharded_pooling`` covers the rules themselves. World sizes 1-3 with
+skewed batches, an empty rank and empty bags.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import tempfile
 
@@ -29,7 +33,12 @@ OPTS = {"sgd": lambda t, d: sh.ShardedSGD(t, lr=0.3, fused=True, defer=d),
         "rowwise": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, rowwise=True, fused=True, defer=d),
         "adagrad": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, fused=True, defer=d),
         "adam": lambda t, d: sh.ShardedAdam(t, lr=0.1, fused=True, defer=d),
-        "rowwise_in_step": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, rowwise=True)}
+        "rowwise_in_step": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, rowwise=True),
+        # Unfused: the update happens in step(), which a deferred gradient replays when it lands.
+        "sgd_step": lambda t, d: sh.ShardedSGD(t, lr=0.3, defer=d),
+        "rowwise_step": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, rowwise=True, defer=d),
+        "adagrad_step": lambda t, d: sh.ShardedAdagrad(t, lr=0.3, lr_decay=0.05, defer=d),
+        "adam_step": lambda t, d: sh.ShardedAdam(t, lr=0.1, defer=d)}
 
 
 def table(pooling="always", mode="sum", reduction="mean"):
@@ -38,8 +47,13 @@ def table(pooling="always", mode="sum", reduction="mean"):
 
 
 def loop(rank, defer, opt="rowwise", pooling="always", two_tables=False, eval_between=False, steps=STEPS,
-         reduction="mean"):
-    """Train one table (or two grouped ones); outputs per step, and the model and its optimizers."""
+         reduction="mean", accumulate=1, schedule=False, set_to_none=True, zero_first=False):
+    """Train one table (or two grouped ones); outputs per step, and the model and its optimizers.
+
+    ``accumulate`` backward passes (each its own batch) per step; ``schedule``: an LR scheduler steps after
+    every step; ``zero_first``: ``zero_grad()`` before the forward (the usual loop's order) instead of after
+    ``step()``.
+    """
     tables = [table(pooling, reduction=reduction) for _ in range(2 if two_tables else 1)]
     model = nn.Module()
     for i, t in enumerate(tables):
@@ -47,15 +61,22 @@ def loop(rank, defer, opt="rowwise", pooling="always", two_tables=False, eval_be
     if two_tables:
         sh.group_tables(model)
     opts = [OPTS[opt](t, defer) for t in tables]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7) for o in opts] if schedule else []
     outs = []
     for step in range(steps):
-        ids, offsets, psw, w = batch(rank, step, torch.float64, True)
-        out = sum(t(ids, offsets, psw) for t in tables)
-        (out * w).sum().backward()
+        for o in opts if zero_first else ():
+            o.zero_grad(set_to_none=set_to_none)
+        for micro in range(accumulate):
+            ids, offsets, psw, w = batch(rank, step * accumulate + micro, torch.float64, True)
+            out = sum(t(ids, offsets, psw) for t in tables)
+            (out * w).sum().backward()
+            outs.append(out.detach())
         for o in opts:
             o.step()
-            o.zero_grad()
-        outs.append(out.detach())
+            if not zero_first:
+                o.zero_grad(set_to_none=set_to_none)
+        for s in scheds:
+            s.step()
         if eval_between:  # a lookup without gradient: it carries the pending rows and sees the update
             with torch.no_grad():
                 outs.append(sum(t(ids, offsets) for t in tables))
@@ -94,6 +115,32 @@ def case_defer_equals_fused(rank, world):
     return True
 
 
+def case_defer_in_step_equals_immediate(rank, world):
+    """Unfused rules (the update in step()): a deferred push replays step() and zero_grad() where the gradient
+    lands, bitwise as the immediate push; with gradient accumulation, an LR scheduler, zero_grad() before the
+    forward or keeping zeroed gradients, and lookups between steps."""
+    variants = [dict(opt=o, pooling=p, two_tables=two) for o in ("sgd_step", "rowwise_step", "adagrad_step",
+                                                                 "adam_step")
+                for p in ("always", "never") for two in (False, True)]
+    variants += [dict(opt="adagrad_step", pooling="auto", accumulate=2, schedule=True),
+                 dict(opt="adam_step", pooling="never", two_tables=True, zero_first=True, set_to_none=False,
+                      schedule=True),
+                 dict(opt="sgd_step", pooling="always", eval_between=True, accumulate=3, zero_first=True)]
+    for v in variants:
+        plain, late = loop(rank, False, **v), loop(rank, True, **v)
+        same(plain[0], late[0], f"{v} outputs")
+        same(weights(plain[1]), weights(late[1]), f"{v} tables")
+        for a, b in zip(plain[2], late[2]):
+            pa, pb = a.tables()[0].local_weight, b.tables()[0].local_weight
+            assert a.state[pa]["step"] == b.state[pb]["step"] == STEPS, v
+            assert not b.in_flight(pb) and b.param_groups[0]["lr"] == a.param_groups[0]["lr"], v
+    # And like one process training on every rank's batch.
+    got = loop(rank, True, "sgd_step", "always")
+    want = reference(rank, world, torch.float64, "sum", psw=True, opt="sgd", long_bags=True)
+    check((got[0], got[1].t0.full_weight()), want, torch.float64, "unfused defer vs single process")
+    return True
+
+
 def case_summed_fused_like_step(rank, world):
     """Summed gradients (TorchRec's rule), fused row-wise Adagrad, pooled or not, deferred or not: like the same
     rule applied in step() to the sparse gradient."""
@@ -111,9 +158,9 @@ def case_one_all_to_all_fewer(rank, world):
     if world == 1:
         return True
     per_step = {}
-    for defer in (False, True):
+    for defer, opt in ((False, "rowwise"), (True, "rowwise"), ("unfused", "rowwise_step")):
         t = table("always")
-        o = OPTS["rowwise"](t, defer)
+        o = OPTS[opt](t, bool(defer))
         ids, offsets, psw, w = batch(rank, 0, torch.float64, True)
         for _ in range(3):  # warm-up: the request's width is learned on the first rounds
             (t(ids, offsets, psw) * w).sum().backward()
@@ -124,7 +171,7 @@ def case_one_all_to_all_fewer(rank, world):
             o.step()
         per_step[defer] = (all_to_all_calls() - before) / 4
         sh.flush(t)
-    assert per_step == {False: 3, True: 2}, per_step
+    assert per_step == {False: 3, True: 2, "unfused": 2}, per_step
     return True
 
 
@@ -164,8 +211,14 @@ def _holder(t):
 
 def case_bad_request_keeps_the_update(rank, world):
     """A bad id in the round that carries the gradient raises on every rank; the update still lands."""
+    for opt in ("rowwise", "adagrad_step"):
+        _bad_request(rank, opt)
+    return True
+
+
+def _bad_request(rank, opt):
     plain, late = table(), table()
-    po, lo = OPTS["rowwise"](plain, False), OPTS["rowwise"](late, True)
+    po, lo = OPTS[opt](plain, False), OPTS[opt](late, True)
     ids, offsets, psw, w = batch(rank, 0, torch.float64, True)
     for t, o in ((plain, po), (late, lo)):
         (t(ids, offsets, psw) * w).sum().backward()
@@ -177,17 +230,17 @@ def case_bad_request_keeps_the_update(rank, world):
         assert "outside" in str(e) or "rank 0" in str(e), e
     else:
         raise AssertionError("an id outside the table must raise on every rank")
-    same([plain.local_weight.detach()], [late.local_weight.detach()], "update applied despite the bad round")
+    same([plain.local_weight.detach()], [late.local_weight.detach()], f"{opt}: update applied despite the bad round")
     # And the table keeps training.
     for t, o in ((plain, po), (late, lo)):
         (t(ids, offsets, psw) * w).sum().backward()
         o.step()
-    same(weights(_holder(plain)), weights(_holder(late)), "after the bad round")
-    return True
+    same(weights(_holder(plain)), weights(_holder(late)), f"{opt}: after the bad round")
 
 
 def _worker(rank, world, directory):
     return run_cases(rank, world, (("equal", case_defer_equals_fused, ()),
+                                   ("in_step", case_defer_in_step_equals_immediate, ()),
                                    ("fewer", case_one_all_to_all_fewer, ()),
                                    ("summed", case_summed_fused_like_step, ()),
                                    ("checkpoint", case_save_load_and_prefetch, (directory,)),
@@ -203,13 +256,33 @@ def runs(world):
 WORLD_PARAMS = [pytest.param(w, marks=pytest.mark.slow) if w == 3 else w for w in WORLDS[1:]]
 
 
-def test_defer_needs_fused():
-    with pytest.raises(ValueError, match="fused"):
-        sh.ShardedAdagrad(table(), lr=0.1, defer=True)
+def test_unfused_defer_holds_step_and_zero_grad_until_the_gradient_lands():
+    t = table()
+    o = OPTS["adagrad_step"](t, True)
+    ids, offsets, psw, w = batch(0, 0, torch.float64, True)
+    before = t.local_weight.detach().clone()
+    (t(ids, offsets, psw) * w).sum().backward()
+    assert t.local_weight.grad is None and o.in_flight(t.local_weight)   # the gradient waits for the next round
+    o.step()
+    assert torch.equal(t.local_weight.detach(), before) and o.in_flight(t.local_weight)   # stepped, not cleared
+    o.zero_grad()
+    assert not o.in_flight(t.local_weight)   # it will land, be stepped and cleared
+    sh.flush(t)
+    assert not torch.equal(t.local_weight.detach(), before) and t.local_weight.grad is None
+    assert o.state[t.local_weight]["step"] == 1
+    # An optimizer dropped while its stepped update is in flight: the update still lands.
+    (t(ids, offsets, psw) * w).sum().backward()
+    o.step()
+    stepped = t.local_weight.detach().clone()
+    del o
+    gc.collect()
+    sh.flush(t)
+    assert not torch.equal(t.local_weight.detach(), stepped)
 
 
 def test_in_one_process_deferred_pushes_train_like_fused_ones():
     assert case_defer_equals_fused(0, 1)
+    assert case_defer_in_step_equals_immediate(0, 1)
     assert case_bad_request_keeps_the_update(0, 1)
 
 

@@ -239,7 +239,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
             raise ValueError("this ParallelOptimizer was not built by build_optimizer: it cannot make a new part")
         options = {k: first.source.get(k, v) for k, v in self.spec.part_options(part).items()}
         # A sharded part starts empty: set_tables gives its tables their incoming state (no state made twice).
-        opt = self.spec.part_class(part)([{"params": []}] if part == "sharded" else list(items), **options)
+        opt = self.spec.part_class(part)([{"params": []}], defer=True, **options) if part == "sharded" else \
+            self.spec.part_class(part)(list(items), **options)
         opt.param_groups[0].update({k: v for k, v in first.source.items()
                                     if k != "params" and k not in first.source_defaults})
         return opt
@@ -371,7 +372,7 @@ def build_optimizer(optimizer_class: Type[torch.optim.Optimizer], kwargs: Dict[s
         parts["dense"] = optimizer_class(replicated, **kwargs) if replicated else None
     if tables:
         twin = _TWINS[optimizer_class][0]
-        parts["sharded"] = twin(list(tables), **_table_kwargs(optimizer_class, kwargs))
+        parts["sharded"] = twin(list(tables), defer=True, **_table_kwargs(optimizer_class, kwargs))
     optimizer = ParallelOptimizer(parts)
     optimizer.spec = OptimizerSpec(optimizer_class, tuple(sorted(kwargs.items())))
     return optimizer

@@ -321,8 +321,7 @@ class TableSet:
             routes = finish_request(pending)
         finally:
             if deferred is not None and pending.carried is not None:
-                carried = _from_wire(self.tables, pending.carried)
-                owner_gradients(self.tables, deferred.tables, deferred.pushing, carried)
+                self._land(deferred, pending.carried)
         self.rounds += 1
         return routes
 
@@ -351,7 +350,9 @@ class TableSet:
         routes = routes._replace(rows_send=send, rows_recv=recv, problem=None)
         if self._defers(pushing):
             self.push_deferred()  # an earlier round's pending gradient is applied first (updates keep their order)
-            self._deferred = DeferredPush(tables, pushing, routes, cold)
+            self._deferred = DeferredPush(tables, pushing, routes, cold, [t.optimizer for t in self.tables])
+            for t in (t for t, p in zip(self.tables, pushing) if p):
+                t.optimizer.hold(t.local_weight)
             return [None] * len(self.tables)
         got = _from_wire(self.tables, exchange_rows(cold, routes, self.group, self.stats))
         hot_sums = sync_hot_gradients(rows.hot, self.group, n, [t.grad_reduction == "mean" for t in rows.hot_tables],
@@ -362,8 +363,8 @@ class TableSet:
         return out
 
     def _defers(self, pushing: Sequence[bool]) -> bool:
-        """Whether this backward's push waits for the next request: every table that gets a gradient has a
-        fused optimizer with ``defer=True`` and no hot rows, and no request was started early (prefetch).
+        """Whether this backward's push waits for the next request: every table that gets a gradient has an
+        optimizer with ``defer=True`` and no hot rows, and no request was started early (prefetch).
 
         Ranks attach the same optimizers and prefetch alike, so all decide the same.
         """
@@ -372,26 +373,29 @@ class TableSet:
         for t, p in zip(self.tables, pushing):
             if not p:
                 continue
-            opt = t.optimizer
-            if opt is None or not getattr(opt, "fused", False) or not getattr(opt, "defer", False) \
-                    or t.hot is not None:
+            if t.optimizer is None or not getattr(t.optimizer, "defer", False) or t.hot is not None:
                 return False
         return True
 
     def push_deferred(self) -> None:
-        """Push and apply a backward's gradient that waits for the next round (collective; no-op when none is
+        """Push and land a backward's gradient that waits for the next round (collective; no-op when none is
         pending, which every rank agrees on).
 
-        With ``defer=True`` optimizers the gradient of a round's backward
-        travels in the next round's request and is applied before that round
-        serves any row; this pushes it now instead: ``sparsecomm.sharded.flush``,
-        ``sparsecomm.sharded.save``/``load`` and :meth:`prefetch` call it.
+        With ``defer=True`` optimizers a round's backward gradient travels in the next round's request and
+        lands before that round serves any row; this pushes it now instead: ``sparsecomm.sharded.flush``,
+        ``save``/``load`` and :meth:`prefetch` call it.
         """
         d, self._deferred = self._deferred, None
-        if d is None:
-            return
-        got = exchange_rows(d.rows, d.routes, self.group, self.stats)
-        owner_gradients(self.tables, d.tables, d.pushing, _from_wire(self.tables, got))
+        if d is not None:
+            self._land(d, exchange_rows(d.rows, d.routes, self.group, self.stats))
+
+    def _land(self, d: DeferredPush, got: List[torch.Tensor]) -> None:
+        """A deferred gradient arrived (``got``: per table, by source rank): fused optimizers apply it, the
+        others take it and replay the ``step()``/``zero_grad()`` calls they held meanwhile."""
+        grads = owner_gradients(self.tables, d.tables, d.pushing, _from_wire(self.tables, got))
+        for t, g, p, opt in zip(self.tables, grads, d.pushing, d.optimizers):
+            if p:
+                opt.land(t.local_weight, g)
 
     def push_after_graph(self, round_no: int, routes: Routes, tables: List[TableRound],
                          grads: Sequence[Optional[torch.Tensor]], pull_seconds: float) -> None:

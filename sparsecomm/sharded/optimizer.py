@@ -17,17 +17,19 @@ backward through a lookup round is one update, so with one round per step
 exactly as the unfused optimizer; gradient accumulation over several backward
 passes is not available fused.
 
-``fused=True, defer=True`` saves one all-to-all per step: a backward does not
-push its gradient rows at once; they travel in the next lookup round's
-request, and the owner applies the update before that round serves any row.
-Every lookup therefore sees every earlier update, and training is exactly the
-same as with ``defer=False``; only when the shard itself changes moves: the
-last backward's update lands at the next lookup, at
-``sparsecomm.sharded.flush(model)``, at ``sparsecomm.sharded.save``/``load``
-or at the model's or optimizer's ``state_dict()`` (collectives that push it).
-Call ``flush(model)`` before reading ``local_weight`` yourself. Tables with
-replicated hot rows, and rounds whose next request was prefetched, push at
-once.
+``defer=True`` saves one all-to-all per step: a backward's gradient rows
+travel in the next lookup round's request and land before that round serves
+any row. Fused, the owner applies them there. Unfused (``parallelize``'s
+default), ``step()`` and ``zero_grad()`` on a table whose gradient is still in
+flight are recorded, with the param group's values at the call (a scheduler
+may change them), and replayed when it lands: added to ``local_weight.grad``,
+then stepped and cleared. Training is exactly the same as with
+``defer=False`` (gradient accumulation included); only when the shard itself
+changes moves: at the next lookup, at ``sparsecomm.sharded.flush(model)``,
+``save``/``load``, or the model's or optimizer's ``state_dict()`` (collectives
+that push it): call ``flush(model)`` before reading ``local_weight`` or its
+``grad`` yourself. Tables with replicated hot rows, and rounds whose next
+request was prefetched, push at once.
 
 These are ``torch.optim.Optimizer`` subclasses: ``param_groups[i]["lr"]`` is
 the learning rate, so torch's LR schedulers drive them. A param group lists
@@ -56,7 +58,7 @@ with ``torch.optim.SGD`` / ``Adagrad`` / ``SparseAdam``:
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -127,8 +129,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             ``local_weight`` tensors, or param-group dicts of those.
         defaults: hyperparameters, as ``torch.optim.Optimizer``.
         fused: update in backward, as the gradient arrives (see the module docstring).
-        defer: with ``fused``, push a backward's gradient with the next lookup's request, one all-to-all
-            fewer per step (see the module docstring).
+        defer: push a backward's gradient with the next lookup's request, one all-to-all fewer per step
+            (see the module docstring).
     """
 
     #: Names of the row-aligned state tensors (resharded with the rows).
@@ -136,10 +138,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: ParamsT, defaults: Dict[str, Any], fused: bool = False, defer: bool = False
                  ) -> None:
-        if defer and not fused:
-            raise ValueError("defer=True needs fused=True: an unfused optimizer's step() needs the gradient at once")
         self.fused = bool(fused)
         self.defer = bool(defer)
+        # Per shard (id of local_weight) whose gradient is in flight (unfused, defer=True): the step() and
+        # zero_grad() calls made since, replayed when it lands.
+        self._held: Dict[int, List[Tuple[str, Any]]] = {}
         # Strong references: the tables live as long as their optimizer does.
         self._tables: Dict[int, ShardedTable] = {}
         if isinstance(params, nn.Module):
@@ -221,15 +224,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clear the tables' gradients (their shards'), including their hot rows' pending one."""
         super().zero_grad(set_to_none=set_to_none)
         for table in self._tables.values():
-            w = table.local_weight
-            if w.grad is not None:
-                if set_to_none:
-                    w.grad = None
-                else:
-                    w.grad.requires_grad_(False)
-                    w.grad.zero_()
-            if table.hot is not None:
-                table.hot.clear_gradient()
+            held = self._held.get(id(table.local_weight))
+            if held is not None:
+                held.append(("zero", set_to_none))
+            else:
+                self._zero_shard(table, set_to_none)
+
+    @staticmethod
+    def _zero_shard(table: ShardedTable, set_to_none: bool) -> None:
+        w = table.local_weight
+        if w.grad is not None:
+            if set_to_none:
+                w.grad = None
+            else:
+                w.grad.requires_grad_(False)
+                w.grad.zero_()
+        if table.hot is not None:
+            table.hot.clear_gradient()
 
     @torch.no_grad()
     def set_tables(self, tables: Sequence[ShardedTable], incoming: Dict[int, Dict[str, Any]]) -> None:
@@ -295,7 +306,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Apply each owned row's accumulated gradient; rows without one stay as they are.
+        """Apply each owned row's accumulated gradient; rows without one stay as they are. A shard whose
+        gradient is still in flight (``defer=True``) steps when it lands, with the param group's values now.
 
         Args:
             closure: re-evaluates the model and returns the loss (optional).
@@ -310,26 +322,55 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for q in group["params"]:
                 p = self._tables[id(q)].local_weight
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if not grad.is_sparse:
-                    raise RuntimeError("sharded optimizers expect the sparse gradient a sharded table's backward "
-                                       "leaves in local_weight.grad")
-                state = self.state[p]
-                # Every rank's table receives a (possibly empty) gradient in
-                # each backward, so the step count agrees across ranks.
-                state["step"] += 1
-                if grad._nnz():
-                    if grad.is_coalesced():
-                        slots, values = grad._indices()[0], grad._values()
-                    else:
-                        slots, values = ops.coalesce_rows(grad._indices()[0].contiguous(),
-                                                          grad._values().contiguous(), p.shape[0])
-                    self._update(group, p, state, slots, values)
-                    _logged(p, slots)
-                self._step_hot(p)  # after the shard's rows: the hot rows write through into it
+                held = self._held.get(id(p))
+                if held is not None:
+                    held.append(("step", dict(group)))
+                else:
+                    self._step_shard(group, p)
         return loss
+
+    def _step_shard(self, group: Dict[str, Any], p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        grad = p.grad
+        if not grad.is_sparse:
+            raise RuntimeError("sharded optimizers expect the sparse gradient a sharded table's backward "
+                               "leaves in local_weight.grad")
+        state = self.state[p]
+        # Every rank's table receives a (possibly empty) gradient in each backward: step counts agree.
+        state["step"] += 1
+        if grad._nnz():
+            if grad.is_coalesced():
+                slots, values = grad._indices()[0], grad._values()
+            else:
+                slots, values = ops.coalesce_rows(grad._indices()[0].contiguous(),
+                                                  grad._values().contiguous(), p.shape[0])
+            self._update(group, p, state, slots, values)
+            _logged(p, slots)
+        self._step_hot(p)  # after the shard's rows: the hot rows write through into it
+
+    def hold(self, p: torch.Tensor) -> None:
+        """Shard ``p``'s gradient from the last backward travels later (``defer=True``, unfused): until
+        :meth:`land`, :meth:`step` and :meth:`zero_grad` on it are recorded, not applied."""
+        if not self.fused:
+            self._held.setdefault(id(p), [])
+
+    def in_flight(self, p: torch.Tensor) -> bool:
+        calls = self._held.get(id(p))  # whether p's gradient is in flight and will not be cleared when it lands
+        return calls is not None and (not calls or calls[-1][0] != "zero")
+
+    @torch.no_grad()
+    def land(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+        """Shard ``p``'s deferred gradient arrived: add it to ``p.grad`` as backward would have, then replay the
+        recorded ``step()`` and ``zero_grad()`` calls in order."""
+        calls = self._held.pop(id(p), [])
+        if grad is not None:
+            p.grad = grad if p.grad is None else p.grad + grad
+        for kind, arg in calls:
+            if kind == "step":
+                self._step_shard(arg, p)
+            else:
+                self._zero_shard(_table_of(p), arg)
 
     def state_dict(self) -> Dict[str, Any]:
         """The state of every table, whole and in id order, for any world size and scheme (collective).
@@ -360,8 +401,7 @@ class ShardedSGD(ShardedOptimizer):
     Args:
         params: see :class:`ShardedOptimizer`.
         lr: learning rate.
-        fused: update in backward (see the module docstring).
-        defer: with ``fused``, push the gradient with the next lookup (see the module docstring).
+        fused, defer: see :class:`ShardedOptimizer`.
     """
 
     def __init__(self, params: ParamsT, lr: float = 1e-3, fused: bool = False, defer: bool = False) -> None:
@@ -381,8 +421,7 @@ class ShardedAdagrad(ShardedOptimizer):
         lr, lr_decay, eps, initial_accumulator_value: as ``torch.optim.Adagrad``.
         rowwise: one accumulator per row (mean of the squared gradient over
             the row) instead of one per element: ``d`` times less state.
-        fused: update in backward (see the module docstring).
-        defer: with ``fused``, push the gradient with the next lookup (see the module docstring).
+        fused, defer: see :class:`ShardedOptimizer`.
     """
 
     def __init__(self, params: ParamsT, lr: float = 1e-2, lr_decay: float = 0.0, eps: float = 1e-10,
@@ -428,8 +467,7 @@ class ShardedAdam(ShardedOptimizer):
     Args:
         params: see :class:`ShardedOptimizer`.
         lr, betas, eps: as ``torch.optim.SparseAdam``.
-        fused: update in backward (see the module docstring).
-        defer: with ``fused``, push the gradient with the next lookup (see the module docstring).
+        fused, defer: see :class:`ShardedOptimizer`.
     """
 
     row_state_names = ("exp_avg", "exp_avg_sq")

@@ -9,7 +9,7 @@ pushed in backward, or later, riding in the next round's request
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,9 @@ class DeferredPush(NamedTuple):
     pushing: List[bool]           # per table: whether it gets a gradient (the same on every rank)
     routes: Routes                # the round's routes: rows_send / rows_recv count the gradient rows per peer
     rows: List[torch.Tensor]      # per table, the gradient rows, those for each owner consecutive
+    # Per table, its optimizer when it was deferred: held strongly (a table holds it weakly), so an update
+    # whose step() ran lands even when the user dropped the optimizer meanwhile.
+    optimizers: List[Any]
 
     def carry(self) -> Carry:
         """The rows as a request carries them."""
