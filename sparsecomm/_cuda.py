@@ -64,7 +64,11 @@ NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++14",)
 """Options for NVRTC; CuPy adds ``-arch`` for the current device itself."""
 
 BLOCK = 256
-"""Threads per block of every launch."""
+"""Threads per block of every launch.
+
+``csrc/cuda/common.cuh`` (``kBlock``) stages long row groups for blocks of this
+size; with another size the segment sums stay exact but lose that path.
+"""
 
 # Grid-stride kernels: more blocks than this per SM only adds scheduling cost.
 _BLOCKS_PER_SM = 32

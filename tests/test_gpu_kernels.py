@@ -3,7 +3,11 @@
 Each op runs on the same inputs on the GPU and on the CPU; results must be
 bitwise equal (both sum every group in input order, fp16/bf16 in float32 with
 one rounding), for every value and id dtype, d = 1, odd and wide rows, empty
-inputs and Zipf-skewed ids with heavy duplication.
+inputs and Zipf-skewed ids with heavy duplication. Long groups (a hot id
+with tens of thousands of rows) take the kernels' block-staged path
+(csrc/cuda/common.cuh), which must add in the same order as the per-thread
+one: they are checked on their own, with several in one block's tile, rows
+wider than a block, and more long groups in a tile than the block takes on.
 
 Skipped without a CUDA device or without CuPy.
 """
@@ -129,6 +133,45 @@ def test_scatter_add_is_bitwise_deterministic(value_dtype):
     first = ops.scatter_add_rows(table.clone(), ids, values)
     second = ops.scatter_add_rows(table.clone(), ids, values)
     assert_bitwise_equal(second, first)
+
+
+# ---- long groups: summed by a whole block ------------------------------------------
+
+# (d, ids): a hot id with 40,000 of 60,000 rows amid Zipf ids; hot ids side by
+# side (several long groups in one tile of 256 (group, column) pairs); a row
+# wider than a block; 64 long groups of d = 1 in one tile (more than a block
+# takes on: they stay with their own threads).
+LONG_LAYOUTS = {
+    "hot-d64": (64, lambda: torch.cat([torch.full((40_000,), 17), zipf_ids(20_000, NUM_ROWS, seed=6)])),
+    "adjacent-d7": (7, lambda: torch.arange(6).repeat_interleave(torch.tensor([9000, 300, 257, 5000, 3, 1200]))),
+    "wide-d300": (300, lambda: torch.cat([torch.full((3000,), 5), torch.arange(0, 40)])),
+    "many-d1": (1, lambda: torch.arange(64).repeat(400)),
+}
+LONG_CASES = list(itertools.product((torch.float32, torch.float16, torch.bfloat16), ID_DTYPES, LONG_LAYOUTS))
+
+
+def _long_case(case):
+    value_dtype, id_dtype, layout = case
+    d, make = LONG_LAYOUTS[layout]
+    ids = make().to(id_dtype)
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(7))]
+    return ids, make_values(ids.numel(), d, value_dtype), d
+
+
+@pytest.mark.parametrize("case", LONG_CASES, ids=lambda c: f"{str(c[0])[6:]}-{str(c[1])[6:]}-{c[2]}")
+def test_long_groups_match_cpu(case):
+    ids, values, d = _long_case(case)
+    expected = ops.coalesce_rows(ids, values)
+    got = ops.coalesce_rows(ids.to(CUDA), values.to(CUDA))
+    assert_bitwise_equal(got[0], expected[0])
+    assert_bitwise_equal(got[1], expected[1])
+    # Into a table (sums start from its rows) and into zeros with a -0.0 (sums start from 0.0 there).
+    zeros = torch.zeros(NUM_ROWS, d, dtype=values.dtype)
+    zeros[17] = -0.0
+    for table in (make_values(NUM_ROWS, d, values.dtype, seed=2), zeros):
+        expected = ops.scatter_add_rows(table.clone(), ids, values)
+        got = ops.scatter_add_rows(table.to(CUDA), ids.to(CUDA), values.to(CUDA))
+        assert_bitwise_equal(got, expected)
 
 
 # ---- gather ------------------------------------------------------------------------

@@ -1,13 +1,24 @@
 // coalesce rows on the GPU: the per-id sums of value rows.
 //
 // The host side (sparsecomm/_cuda.py) sorts the ids stably and finds the runs
-// of equal ids with torch; this kernel sums each run. One thread owns one
-// (group, column) pair and walks the group's rows in input order, so the
+// of equal ids with torch; this kernel sums each run. Each (group, column)
+// pair is summed by one thread, over the group's rows in input order, so the
 // result is deterministic and bitwise equal to the CPU kernel. Neighbouring
-// threads take neighbouring columns of the same rows: loads coalesce for any d.
+// threads take neighbouring columns of the same rows: loads coalesce for any
+// d. A long group (a hot id) gets the whole block to load its rows for the
+// adding threads (common.cuh, reduce_groups).
 #include "common.cuh"
 
 namespace sparsecomm {
+
+// Where coalesce puts the sum of (group g, column col): out[g, col], starting
+// from the group's first row.
+template <typename T>
+struct GroupSums {
+  T* out;
+  static const bool kAccumulate = false;
+  __device__ __forceinline__ T* dst(index_t, index_t, index_t t) const { return out + t; }
+};
 
 // out[g, :] = sum of values[order[k], :] for k in seg_start[g] .. seg_start[g + 1].
 template <typename T>
@@ -15,12 +26,8 @@ __device__ __forceinline__ void coalesce_rows(const T* __restrict__ values,
                                               const index_t* __restrict__ order,
                                               const index_t* __restrict__ seg_start,
                                               index_t num_groups, index_t d, T* __restrict__ out) {
-  const index_t total = num_groups * d;
-  for (index_t t = global_thread_index(); t < total; t += grid_stride()) {
-    const index_t g = t / d;
-    const index_t col = t - g * d;
-    out[t] = Accum<T>::store(reduce_group_column<T>(values, order, seg_start, g, col, d, 0));
-  }
+  const GroupSums<T> target = {out};
+  reduce_groups<T>(values, order, seg_start, num_groups, d, target);
 }
 
 }  // namespace sparsecomm

@@ -153,6 +153,212 @@ __device__ __forceinline__ typename Accum<T>::type reduce_group_column(
   return acc;
 }
 
+// ---- long groups: the whole block stages their rows ---------------------------
+//
+// Under Zipf skew one id can own a tenth of all rows, and the threads of its
+// columns would walk them alone while the rest of the GPU idles. So a block
+// first lets every thread sum its own short group (above), then takes the long
+// groups of its tile of kBlock (group, column) pairs one at a time: all its
+// threads copy a chunk of the group's rows (the columns in the tile) into
+// shared memory, coalesced and many loads in flight, while the group's own
+// column threads add the previous chunk. Each column is still summed by one
+// thread, row after row in input order, from the same start value: the same
+// float adds as reduce_group_column, so the same bits.
+
+// Threads per block the staging is written for; sparsecomm/_cuda.py's BLOCK.
+// Another block size still gives exact results, through the per-thread path.
+constexpr int kBlock = 256;
+// Groups with more rows than this are summed by the whole block.
+constexpr index_t kLongRows = 256;
+// A block sums its long groups one after another: faster than its threads
+// walking them side by side unless a tile holds many (only when d < 8).
+constexpr int kMaxLongGroups = 32;
+
+// A staged chunk is `chunk` rows x `cols` columns, row-major in shared memory.
+// Thread i loads column i % cols of rows i / cols + m * (kBlock / cols),
+// m < kLoads: a warp reads neighbouring columns (coalesced), and each of its
+// loads needs only one row index. Threads past the last whole row of the
+// block's width (i >= (kBlock / cols) * cols) load nothing.
+template <typename T>
+struct Stage {
+  // Values in flight per thread. More would keep more loads in flight, but
+  // registers count for every block of the kernel: with these (nvcc 13,
+  // sm_90) it takes 64 registers a thread, four blocks an SM for the short
+  // groups, against 32-42 without the staging.
+  static constexpr int kLoads = sizeof(T) > 4 ? 4 : 6;
+  static constexpr int kElems = kBlock * kLoads;  // 6 KiB fp32, 8 KiB fp64, 3 KiB 16-bit
+};
+
+// Rows per chunk for `cols` columns: as many as the loads cover, at most kBlock.
+template <typename T>
+__device__ __forceinline__ int chunk_rows(int cols) {
+  const int rows = (kBlock / cols) * Stage<T>::kLoads;
+  return rows < kBlock ? rows : kBlock;
+}
+
+// Loads this thread's elements of a chunk's first `rows` rows into v: row r,
+// column c is values[idx[r] * d + c0 + c].
+template <typename T>
+__device__ __forceinline__ void stage_load(T (&v)[Stage<T>::kLoads], const T* __restrict__ values,
+                                           const index_t* idx, int rows, int cols, index_t d,
+                                           index_t c0) {
+  const int step = kBlock / cols;
+  const int r0 = threadIdx.x / cols;
+  if (r0 >= step) return;
+  const T* column = values + c0 + (threadIdx.x - r0 * cols);
+#pragma unroll
+  for (int m = 0; m < Stage<T>::kLoads; ++m) {
+    const int r = r0 + m * step;
+    if (r < rows) v[m] = column[idx[r] * d];
+  }
+}
+
+// Stores what stage_load loaded to the chunk in shared memory.
+template <typename T>
+__device__ __forceinline__ void stage_store(const T (&v)[Stage<T>::kLoads], T* staged, int rows,
+                                            int cols) {
+  const int step = kBlock / cols;
+  const int r0 = threadIdx.x / cols;
+  if (r0 >= step) return;
+  T* column = staged + (threadIdx.x - r0 * cols);
+#pragma unroll
+  for (int m = 0; m < Stage<T>::kLoads; ++m) {
+    const int r = r0 + m * step;
+    if (r < rows) column[r * cols] = v[m];
+  }
+}
+
+// acc plus column `col` of `rows` staged rows of `cols` columns, in row order.
+template <typename T>
+__device__ __forceinline__ typename Accum<T>::type add_staged(typename Accum<T>::type acc,
+                                                              const T* staged, int rows, int cols,
+                                                              int col) {
+#pragma unroll 4
+  for (int r = 0; r < rows; ++r) acc += Accum<T>::load(staged[r * cols + col]);
+  return acc;
+}
+
+inline __device__ int min_rows(index_t a, int b) { return a < b ? static_cast<int>(a) : b; }
+
+// Returns acc plus rows order[k : end] of columns c0 .. c0 + cols of `values`,
+// summed by the block: every thread of the block calls it with the same k,
+// end, c0 and cols; thread `col >= 0` adds column c0 + col and gets the sum,
+// the others only load. Double-buffered: chunk i + 1's values travel into
+// registers and chunk i + 2's row indices arrive while chunk i is added.
+template <typename T>
+__device__ typename Accum<T>::type block_sum_rows(const T* __restrict__ values,
+                                                  const index_t* __restrict__ order, index_t k,
+                                                  index_t end, index_t d, index_t c0, int cols,
+                                                  int col, typename Accum<T>::type acc) {
+  __shared__ T staged[Stage<T>::kElems];
+  __shared__ index_t idx[kBlock];
+  const int chunk = chunk_rows<T>(cols);
+  const int tid = threadIdx.x;
+  T v[Stage<T>::kLoads];
+  index_t next = tid < chunk && k + tid < end ? order[k + tid] : 0;
+  __syncthreads();  // a previous call is done with the shared buffers
+  idx[tid] = next;
+  __syncthreads();
+  stage_load<T>(v, values, idx, min_rows(end - k, chunk), cols, d, c0);
+  next = tid < chunk && k + chunk + tid < end ? order[k + chunk + tid] : 0;
+  for (; k < end; k += chunk) {
+    const int rows = min_rows(end - k, chunk);
+    __syncthreads();  // the previous chunk is added and its successor's indices read
+    stage_store<T>(v, staged, rows, cols);
+    idx[tid] = next;
+    __syncthreads();
+    if (k + chunk < end) {
+      stage_load<T>(v, values, idx, min_rows(end - k - chunk, chunk), cols, d, c0);
+      const index_t ahead = k + 2 * chunk + tid;
+      next = tid < chunk && ahead < end ? order[ahead] : 0;
+    }
+    if (col >= 0) acc = add_staged<T>(acc, staged, rows, cols, col);
+  }
+  return acc;
+}
+
+// ---- the driver: every (group, column) pair, short groups and long -----------
+
+// Target says where the sum of (group g, column col) goes, t = g * d + col:
+//   T* dst(g, col, t) const   the output element, or 0 to skip the pair;
+//   kAccumulate               true: the sum starts from *dst (scatter-add);
+//                             false: from the group's first row (coalesce).
+
+// One (group, column) pair summed by its own thread.
+template <typename T, typename Target>
+__device__ __forceinline__ void reduce_pair(const T* __restrict__ values,
+                                            const index_t* __restrict__ order,
+                                            const index_t* __restrict__ seg_start, index_t g,
+                                            index_t col, index_t d, index_t t,
+                                            const Target& target) {
+  T* dst = target.dst(g, col, t);
+  if (dst == 0) return;
+  const T* init = Target::kAccumulate ? dst : 0;
+  *dst = Accum<T>::store(reduce_group_column<T>(values, order, seg_start, g, col, d, init));
+}
+
+// The long groups among pairs base .. stop - 1 (a tile of at most kBlock
+// pairs), one after another, each summed by the whole block. Called by every
+// thread of the block with the same arguments.
+template <typename T, typename Target>
+__device__ void reduce_long_groups(const T* __restrict__ values, const index_t* __restrict__ order,
+                                   const index_t* __restrict__ seg_start, index_t base,
+                                   index_t stop, index_t d, const Target& target) {
+  typedef Accum<T> A;
+  const index_t t = base + threadIdx.x;
+  for (index_t g = base / d; g * d < stop; ++g) {
+    const index_t start = seg_start[g];
+    const index_t end = seg_start[g + 1];
+    if (end - start <= kLongRows) continue;
+    const index_t lo = g * d > base ? g * d : base;  // the group's pairs in the tile
+    const index_t hi = (g + 1) * d < stop ? (g + 1) * d : stop;
+    const bool mine = t >= lo && t < hi;
+    T* dst = mine ? target.dst(g, t - g * d, t) : 0;
+    typename A::type acc = 0;
+    index_t k = start;
+    if (Target::kAccumulate) {
+      if (dst != 0) acc = A::load(*dst);
+    } else {
+      if (mine) acc = A::load(values[order[start] * d + (t - g * d)]);
+      ++k;
+    }
+    acc = block_sum_rows<T>(values, order, k, end, d, lo - g * d, static_cast<int>(hi - lo),
+                            mine ? static_cast<int>(t - lo) : -1, acc);
+    if (dst != 0) *dst = A::store(acc);
+  }
+}
+
+// Sums every group of rows order[seg_start[g] : seg_start[g + 1]] into the
+// target, all columns. Grid-stride over tiles of kBlock (group, column) pairs,
+// thread i of a block taking pair base + i, as in the per-thread kernels:
+// short groups by their own threads, then a tile's long groups by the block.
+template <typename T, typename Target>
+__device__ __forceinline__ void reduce_groups(const T* __restrict__ values,
+                                              const index_t* __restrict__ order,
+                                              const index_t* __restrict__ seg_start,
+                                              index_t num_groups, index_t d, const Target& target) {
+  const index_t total = num_groups * d;
+  if (blockDim.x != kBlock) {  // no staging: every pair by its own thread
+    for (index_t t = global_thread_index(); t < total; t += grid_stride()) {
+      reduce_pair<T>(values, order, seg_start, t / d, t % d, d, t, target);
+    }
+    return;
+  }
+  const index_t stride = static_cast<index_t>(gridDim.x) * kBlock;
+  for (index_t base = static_cast<index_t>(blockIdx.x) * kBlock; base < total; base += stride) {
+    const index_t stop = base + kBlock < total ? base + kBlock : total;
+    const index_t t = base + threadIdx.x;
+    const index_t g = t < total ? t / d : 0;
+    const index_t col = t - g * d;
+    const bool is_long = t < total && seg_start[g + 1] - seg_start[g] > kLongRows;
+    // Every long group in the tile counted once: at its first pair in the tile.
+    const int long_groups = __syncthreads_count(is_long && (col == 0 || t == base));
+    const bool by_block = long_groups > 0 && long_groups <= kMaxLongGroups;
+    if (t < total && !(is_long && by_block)) reduce_pair<T>(values, order, seg_start, g, col, d, t, target);
+    if (by_block) reduce_long_groups<T>(values, order, seg_start, base, stop, d, target);
+  }
+}
+
 }  // namespace sparsecomm
 
 #endif  // SPARSECOMM_CUDA_COMMON_CUH_

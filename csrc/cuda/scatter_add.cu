@@ -1,14 +1,33 @@
 // scatter-add rows on the GPU: table[ids[i], :] += values[i, :], duplicates allowed.
 //
 // The host side groups the rows by id (stable sort + runs of equal ids, with
-// torch). Each table row then belongs to exactly one group, so one thread per
-// (group, column) updates it without atomics: the sum starts from the table's
-// current value, adds the group's rows in input order (float32 for fp16/bf16)
-// and rounds once. That makes the result deterministic and bitwise equal to
-// the CPU kernel, unlike atomicAdd, whose order depends on scheduling.
+// torch). Each table row then belongs to exactly one group, so each (group,
+// column) element is updated by one thread without atomics: the sum starts
+// from the table's current value, adds the group's rows in input order
+// (float32 for fp16/bf16) and rounds once. That makes the result
+// deterministic and bitwise equal to the CPU kernel, unlike atomicAdd, whose
+// order depends on scheduling. A long group (a hot id) gets the whole block to
+// load its rows for the adding threads (common.cuh, reduce_groups).
 #include "common.cuh"
 
 namespace sparsecomm {
+
+// Where scatter-add puts the sum of (group g, column col): table[group_id[g], col],
+// starting from its current value.
+template <typename T, typename IdT>
+struct TableRows {
+  T* table;
+  index_t num_rows;
+  const IdT* group_id;
+  index_t d;
+  static const bool kAccumulate = true;
+  __device__ __forceinline__ T* dst(index_t g, index_t col, index_t) const {
+    const index_t row = static_cast<index_t>(group_id[g]);
+    // sparsecomm/_library checks ids first; this only keeps a bad id from corrupting memory.
+    if (row < 0 || row >= num_rows) return 0;
+    return table + row * d + col;
+  }
+};
 
 template <typename T, typename IdT>
 __device__ __forceinline__ void scatter_add_rows(T* __restrict__ table, index_t num_rows,
@@ -17,16 +36,8 @@ __device__ __forceinline__ void scatter_add_rows(T* __restrict__ table, index_t 
                                                  const index_t* __restrict__ order,
                                                  const index_t* __restrict__ seg_start,
                                                  index_t num_groups, index_t d) {
-  const index_t total = num_groups * d;
-  for (index_t t = global_thread_index(); t < total; t += grid_stride()) {
-    const index_t g = t / d;
-    const index_t col = t - g * d;
-    const index_t row = static_cast<index_t>(group_id[g]);
-    // sparsecomm/_library checks ids first; this only keeps a bad id from corrupting memory.
-    if (row < 0 || row >= num_rows) continue;
-    T* dst = table + row * d + col;
-    *dst = Accum<T>::store(reduce_group_column<T>(values, order, seg_start, g, col, d, dst));
-  }
+  const TableRows<T, IdT> target = {table, num_rows, group_id, d};
+  reduce_groups<T>(values, order, seg_start, num_groups, d, target);
 }
 
 }  // namespace sparsecomm
