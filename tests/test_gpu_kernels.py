@@ -4,10 +4,10 @@ Each op runs on the same inputs on the GPU and on the CPU; results must be
 bitwise equal (both sum every group in input order, fp16/bf16 in float32 with
 one rounding), for every value and id dtype, d = 1, odd and wide rows, empty
 inputs and Zipf-skewed ids with heavy duplication. Long groups (a hot id
-with tens of thousands of rows) take the kernels' block-staged path
+with tens of thousands of rows) take the kernels' second, block-staged launch
 (csrc/cuda/common.cuh), which must add in the same order as the per-thread
-one: they are checked on their own, with several in one block's tile, rows
-wider than a block, and more long groups in a tile than the block takes on.
+one: they are checked on their own, several side by side, rows wider than a
+block, and many long groups of one column.
 
 Skipped without a CUDA device or without CuPy.
 """
@@ -139,8 +139,7 @@ def test_scatter_add_is_bitwise_deterministic(value_dtype):
 
 # (d, ids): a hot id with 40,000 of 60,000 rows amid Zipf ids; hot ids side by
 # side (several long groups in one tile of 256 (group, column) pairs); a row
-# wider than a block; 64 long groups of d = 1 in one tile (more than a block
-# takes on: they stay with their own threads).
+# wider than a block (two column tiles); 64 long groups of d = 1.
 LONG_LAYOUTS = {
     "hot-d64": (64, lambda: torch.cat([torch.full((40_000,), 17), zipf_ids(20_000, NUM_ROWS, seed=6)])),
     "adjacent-d7": (7, lambda: torch.arange(6).repeat_interleave(torch.tensor([9000, 300, 257, 5000, 3, 1200]))),

@@ -5,8 +5,8 @@
 // pair is summed by one thread, over the group's rows in input order, so the
 // result is deterministic and bitwise equal to the CPU kernel. Neighbouring
 // threads take neighbouring columns of the same rows: loads coalesce for any
-// d. A long group (a hot id) gets the whole block to load its rows for the
-// adding threads (common.cuh, reduce_groups).
+// d. Groups longer than kLongRows (hot ids) are summed by a second launch, a
+// block a group, staging its rows for the adding threads (common.cuh).
 #include "common.cuh"
 
 namespace sparsecomm {
@@ -20,25 +20,28 @@ struct GroupSums {
   __device__ __forceinline__ T* dst(index_t, index_t, index_t t) const { return out + t; }
 };
 
-// out[g, :] = sum of values[order[k], :] for k in seg_start[g] .. seg_start[g + 1].
-template <typename T>
-__device__ __forceinline__ void coalesce_rows(const T* __restrict__ values,
-                                              const index_t* __restrict__ order,
-                                              const index_t* __restrict__ seg_start,
-                                              index_t num_groups, index_t d, T* __restrict__ out) {
-  const GroupSums<T> target = {out};
-  reduce_groups<T>(values, order, seg_start, num_groups, d, target);
-}
 
 }  // namespace sparsecomm
 
-// One entry point per value dtype: sparsecomm_coalesce_rows_<f32|f64|f16|bf16>.
+// out[g, :] = sum of values[order[k], :] for k in seg_start[g] .. seg_start[g + 1]:
+// two entry points per value dtype, launched one after the other,
+// sparsecomm_coalesce_rows_<f32|f64|f16|bf16> (the short groups) and
+// sparsecomm_coalesce_rows_long_<f32|f64|f16|bf16> (the long ones, listed
+// in long_groups).
 #define SPARSECOMM_DEFINE_COALESCE_ROWS(SUFFIX, T)                                              \
   extern "C" __global__ void sparsecomm_coalesce_rows_##SUFFIX(                                 \
       const T* __restrict__ values, const long long* __restrict__ order,                        \
       const long long* __restrict__ seg_start, long long num_groups, long long d,               \
       T* __restrict__ out) {                                                                    \
-    sparsecomm::coalesce_rows<T>(values, order, seg_start, num_groups, d, out);                 \
+    const sparsecomm::GroupSums<T> target = {out};                                              \
+    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, target);        \
+  }                                                                                             \
+  extern "C" __global__ void sparsecomm_coalesce_rows_long_##SUFFIX(                            \
+      const T* __restrict__ values, const long long* __restrict__ order,                        \
+      const long long* __restrict__ seg_start, const long long* __restrict__ long_groups,       \
+      long long num_long, long long d, T* __restrict__ out) {                                   \
+    const sparsecomm::GroupSums<T> target = {out};                                              \
+    sparsecomm::reduce_long_groups<T>(values, order, seg_start, long_groups, num_long, d, target); \
   }
 
 SPARSECOMM_DEFINE_COALESCE_ROWS(f32, float)

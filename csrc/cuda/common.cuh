@@ -156,23 +156,22 @@ __device__ __forceinline__ typename Accum<T>::type reduce_group_column(
 // ---- long groups: the whole block stages their rows ---------------------------
 //
 // Under Zipf skew one id can own a tenth of all rows, and the threads of its
-// columns would walk them alone while the rest of the GPU idles. So a block
-// first lets every thread sum its own short group (above), then takes the long
-// groups of its tile of kBlock (group, column) pairs one at a time: all its
-// threads copy a chunk of the group's rows (the columns in the tile) into
-// shared memory, coalesced and many loads in flight, while the group's own
-// column threads add the previous chunk. Each column is still summed by one
-// thread, row after row in input order, from the same start value: the same
-// float adds as reduce_group_column, so the same bits.
+// columns would walk them alone while the rest of the GPU idles. So each op
+// is two launches on one stream: the per-thread kernel sums the short groups
+// (reduce_short_groups) and skips the long ones; the long-group kernel
+// (reduce_long_groups) gives each (long group, tile of columns) a whole block:
+// all its threads copy chunks of the group's rows into shared memory,
+// coalesced and many loads in flight, while the group's own column threads
+// add the previous chunk. Each column is still summed by one thread, row
+// after row in input order, from the same start value: the same float adds as
+// reduce_group_column, so the same bits. Two kernels keep the staging's
+// registers out of the short groups' kernel, whose occupancy they would cut.
 
 // Threads per block the staging is written for; sparsecomm/_cuda.py's BLOCK.
 // Another block size still gives exact results, through the per-thread path.
 constexpr int kBlock = 256;
 // Groups with more rows than this are summed by the whole block.
 constexpr index_t kLongRows = 256;
-// A block sums its long groups one after another: faster than its threads
-// walking them side by side unless a tile holds many (only when d < 8).
-constexpr int kMaxLongGroups = 32;
 
 // A staged chunk is `chunk` rows x `cols` columns, row-major in shared memory.
 // Thread i loads column i % cols of rows i / cols + m * (kBlock / cols),
@@ -181,12 +180,10 @@ constexpr int kMaxLongGroups = 32;
 // block's width (i >= (kBlock / cols) * cols) load nothing.
 template <typename T>
 struct Stage {
-  // Values in flight per thread. More would keep more loads in flight, but
-  // registers count for every block of the kernel: with these (nvcc 13,
-  // sm_90) it takes 64 registers a thread, four blocks an SM for the short
-  // groups, against 32-42 without the staging.
-  static constexpr int kLoads = sizeof(T) > 4 ? 4 : 6;
-  static constexpr int kElems = kBlock * kLoads;  // 6 KiB fp32, 8 KiB fp64, 3 KiB 16-bit
+  // Values in flight per thread: the long-group kernel runs a few blocks, so
+  // registers matter less than loads in flight.
+  static constexpr int kLoads = sizeof(T) > 4 ? 8 : 16;
+  static constexpr int kElems = kBlock * kLoads;  // 16 KiB fp32 and fp64, 8 KiB 16-bit
 };
 
 // Rows per chunk for `cols` columns: as many as the loads cover, at most kBlock.
@@ -277,12 +274,16 @@ __device__ typename Accum<T>::type block_sum_rows(const T* __restrict__ values,
   return acc;
 }
 
-// ---- the driver: every (group, column) pair, short groups and long -----------
+// ---- the two kernels' bodies ---------------------------------------------------
 
 // Target says where the sum of (group g, column col) goes, t = g * d + col:
 //   T* dst(g, col, t) const   the output element, or 0 to skip the pair;
 //   kAccumulate               true: the sum starts from *dst (scatter-add);
 //                             false: from the group's first row (coalesce).
+
+__device__ __forceinline__ bool is_long(const index_t* __restrict__ seg_start, index_t g) {
+  return seg_start[g + 1] - seg_start[g] > kLongRows;
+}
 
 // One (group, column) pair summed by its own thread.
 template <typename T, typename Target>
@@ -297,65 +298,53 @@ __device__ __forceinline__ void reduce_pair(const T* __restrict__ values,
   *dst = Accum<T>::store(reduce_group_column<T>(values, order, seg_start, g, col, d, init));
 }
 
-// The long groups among pairs base .. stop - 1 (a tile of at most kBlock
-// pairs), one after another, each summed by the whole block. Called by every
-// thread of the block with the same arguments.
+// The short groups' kernel: grid-stride over the (group, column) pairs, one
+// thread a pair; long groups are left to reduce_long_groups (or, with a block
+// size other than kBlock, summed here too).
+template <typename T, typename Target>
+__device__ __forceinline__ void reduce_short_groups(const T* __restrict__ values,
+                                                    const index_t* __restrict__ order,
+                                                    const index_t* __restrict__ seg_start,
+                                                    index_t num_groups, index_t d, const Target& target) {
+  const index_t total = num_groups * d;
+  const bool all = blockDim.x != kBlock;
+  for (index_t t = global_thread_index(); t < total; t += grid_stride()) {
+    const index_t g = t / d;
+    if (all || !is_long(seg_start, g)) reduce_pair<T>(values, order, seg_start, g, t - g * d, d, t, target);
+  }
+}
+
+// The long groups' kernel: block-stride over (long group, tile of kBlock
+// columns) items, long_groups[0 .. num_long) listing the long groups (the
+// host finds them; the short groups' kernel skipped them). Launched with
+// num_long * ceil(d / kBlock) * kBlock "elements", one block an item.
 template <typename T, typename Target>
 __device__ void reduce_long_groups(const T* __restrict__ values, const index_t* __restrict__ order,
-                                   const index_t* __restrict__ seg_start, index_t base,
-                                   index_t stop, index_t d, const Target& target) {
+                                   const index_t* __restrict__ seg_start,
+                                   const index_t* __restrict__ long_groups, index_t num_long,
+                                   index_t d, const Target& target) {
   typedef Accum<T> A;
-  const index_t t = base + threadIdx.x;
-  for (index_t g = base / d; g * d < stop; ++g) {
+  if (blockDim.x != kBlock) return;  // reduce_short_groups summed every pair
+  const index_t tiles = (d + kBlock - 1) / kBlock;
+  for (index_t item = blockIdx.x; item < num_long * tiles; item += gridDim.x) {
+    const index_t at = item / tiles;
+    const index_t g = long_groups[at];
+    const index_t c0 = (item - at * tiles) * kBlock;
+    const int cols = static_cast<int>(d - c0 < kBlock ? d - c0 : kBlock);
+    const int col = static_cast<int>(threadIdx.x) < cols ? static_cast<int>(threadIdx.x) : -1;
+    const index_t t = g * d + c0 + col;
+    T* dst = col >= 0 ? target.dst(g, c0 + col, t) : 0;
     const index_t start = seg_start[g];
-    const index_t end = seg_start[g + 1];
-    if (end - start <= kLongRows) continue;
-    const index_t lo = g * d > base ? g * d : base;  // the group's pairs in the tile
-    const index_t hi = (g + 1) * d < stop ? (g + 1) * d : stop;
-    const bool mine = t >= lo && t < hi;
-    T* dst = mine ? target.dst(g, t - g * d, t) : 0;
     typename A::type acc = 0;
     index_t k = start;
     if (Target::kAccumulate) {
       if (dst != 0) acc = A::load(*dst);
     } else {
-      if (mine) acc = A::load(values[order[start] * d + (t - g * d)]);
+      if (col >= 0) acc = A::load(values[order[start] * d + c0 + col]);
       ++k;
     }
-    acc = block_sum_rows<T>(values, order, k, end, d, lo - g * d, static_cast<int>(hi - lo),
-                            mine ? static_cast<int>(t - lo) : -1, acc);
+    acc = block_sum_rows<T>(values, order, k, seg_start[g + 1], d, c0, cols, col, acc);
     if (dst != 0) *dst = A::store(acc);
-  }
-}
-
-// Sums every group of rows order[seg_start[g] : seg_start[g + 1]] into the
-// target, all columns. Grid-stride over tiles of kBlock (group, column) pairs,
-// thread i of a block taking pair base + i, as in the per-thread kernels:
-// short groups by their own threads, then a tile's long groups by the block.
-template <typename T, typename Target>
-__device__ __forceinline__ void reduce_groups(const T* __restrict__ values,
-                                              const index_t* __restrict__ order,
-                                              const index_t* __restrict__ seg_start,
-                                              index_t num_groups, index_t d, const Target& target) {
-  const index_t total = num_groups * d;
-  if (blockDim.x != kBlock) {  // no staging: every pair by its own thread
-    for (index_t t = global_thread_index(); t < total; t += grid_stride()) {
-      reduce_pair<T>(values, order, seg_start, t / d, t % d, d, t, target);
-    }
-    return;
-  }
-  const index_t stride = static_cast<index_t>(gridDim.x) * kBlock;
-  for (index_t base = static_cast<index_t>(blockIdx.x) * kBlock; base < total; base += stride) {
-    const index_t stop = base + kBlock < total ? base + kBlock : total;
-    const index_t t = base + threadIdx.x;
-    const index_t g = t < total ? t / d : 0;
-    const index_t col = t - g * d;
-    const bool is_long = t < total && seg_start[g + 1] - seg_start[g] > kLongRows;
-    // Every long group in the tile counted once: at its first pair in the tile.
-    const int long_groups = __syncthreads_count(is_long && (col == 0 || t == base));
-    const bool by_block = long_groups > 0 && long_groups <= kMaxLongGroups;
-    if (t < total && !(is_long && by_block)) reduce_pair<T>(values, order, seg_start, g, col, d, t, target);
-    if (by_block) reduce_long_groups<T>(values, order, seg_start, base, stop, d, target);
   }
 }
 

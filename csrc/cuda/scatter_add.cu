@@ -6,8 +6,9 @@
 // from the table's current value, adds the group's rows in input order
 // (float32 for fp16/bf16) and rounds once. That makes the result
 // deterministic and bitwise equal to the CPU kernel, unlike atomicAdd, whose
-// order depends on scheduling. A long group (a hot id) gets the whole block to
-// load its rows for the adding threads (common.cuh, reduce_groups).
+// order depends on scheduling. Groups longer than kLongRows (hot ids) are
+// summed by a second launch, a block a group, staging its rows for the adding
+// threads (common.cuh).
 #include "common.cuh"
 
 namespace sparsecomm {
@@ -29,28 +30,27 @@ struct TableRows {
   }
 };
 
-template <typename T, typename IdT>
-__device__ __forceinline__ void scatter_add_rows(T* __restrict__ table, index_t num_rows,
-                                                 const IdT* __restrict__ group_id,
-                                                 const T* __restrict__ values,
-                                                 const index_t* __restrict__ order,
-                                                 const index_t* __restrict__ seg_start,
-                                                 index_t num_groups, index_t d) {
-  const TableRows<T, IdT> target = {table, num_rows, group_id, d};
-  reduce_groups<T>(values, order, seg_start, num_groups, d, target);
-}
-
 }  // namespace sparsecomm
 
-// One entry point per (value dtype, id dtype):
-// sparsecomm_scatter_add_rows_<f32|f64|f16|bf16>_<i32|i64>.
-#define SPARSECOMM_DEFINE_SCATTER_ADD_ROWS(SUFFIX, T, ID_SUFFIX, IdT)                         \
-  extern "C" __global__ void sparsecomm_scatter_add_rows_##SUFFIX##_##ID_SUFFIX(              \
-      T* __restrict__ table, long long num_rows, const IdT* __restrict__ group_id,            \
-      const T* __restrict__ values, const long long* __restrict__ order,                      \
-      const long long* __restrict__ seg_start, long long num_groups, long long d) {           \
-    sparsecomm::scatter_add_rows<T, IdT>(table, num_rows, group_id, values, order, seg_start, \
-                                         num_groups, d);                                      \
+// Two entry points per (value dtype, id dtype), launched one after the other:
+// sparsecomm_scatter_add_rows_<f32|f64|f16|bf16>_<i32|i64> (the short groups)
+// and sparsecomm_scatter_add_rows_long_<...>_<...> (the long ones, listed in
+// long_groups).
+#define SPARSECOMM_DEFINE_SCATTER_ADD_ROWS(SUFFIX, T, ID_SUFFIX, IdT)                              \
+  extern "C" __global__ void sparsecomm_scatter_add_rows_##SUFFIX##_##ID_SUFFIX(                   \
+      T* __restrict__ table, long long num_rows, const IdT* __restrict__ group_id,                 \
+      const T* __restrict__ values, const long long* __restrict__ order,                           \
+      const long long* __restrict__ seg_start, long long num_groups, long long d) {                \
+    const sparsecomm::TableRows<T, IdT> target = {table, num_rows, group_id, d};                   \
+    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, target);           \
+  }                                                                                                \
+  extern "C" __global__ void sparsecomm_scatter_add_rows_long_##SUFFIX##_##ID_SUFFIX(              \
+      T* __restrict__ table, long long num_rows, const IdT* __restrict__ group_id,                 \
+      const T* __restrict__ values, const long long* __restrict__ order,                           \
+      const long long* __restrict__ seg_start, const long long* __restrict__ long_groups,          \
+      long long num_long, long long d) {                                                           \
+    const sparsecomm::TableRows<T, IdT> target = {table, num_rows, group_id, d};                   \
+    sparsecomm::reduce_long_groups<T>(values, order, seg_start, long_groups, num_long, d, target); \
   }
 
 #define SPARSECOMM_DEFINE_SCATTER_ADD_ROWS_FOR_IDS(SUFFIX, T)   \

@@ -74,13 +74,30 @@ def coalesce_rows_cuda(ids: Tensor, values: Tensor) -> Tuple[Tensor, Tensor]:
     order, seg_start, group_ids = _group_rows(ids)
     num_groups = group_ids.numel()
     out = values.new_empty((num_groups, d))
-    _cuda.launch(
-        values.device,
-        f"sparsecomm_coalesce_rows_{_cuda.VALUE_SUFFIX[values.dtype]}",
-        num_groups * d,
-        (_cuda.ptr(values), _cuda.ptr(order), _cuda.ptr(seg_start), _cuda.i64(num_groups), _cuda.i64(d), _cuda.ptr(out)),
-    )
+    rows = (_cuda.ptr(values), _cuda.ptr(order), _cuda.ptr(seg_start))
+    suffix = _cuda.VALUE_SUFFIX[values.dtype]
+    _cuda.launch(values.device, f"sparsecomm_coalesce_rows_{suffix}", num_groups * d,
+                 rows + (_cuda.i64(num_groups), _cuda.i64(d), _cuda.ptr(out)))
+    long_groups = _long_groups(seg_start)
+    _cuda.launch(values.device, f"sparsecomm_coalesce_rows_long_{suffix}", _long_items(long_groups, d),
+                 rows + (_cuda.ptr(long_groups), _cuda.i64(long_groups.numel()), _cuda.i64(d), _cuda.ptr(out)))
     return group_ids, out
+
+
+LONG_ROWS = 256
+"""Groups of more rows than this are summed by the second, block-staged launch (``kLongRows`` in
+``csrc/cuda/common.cuh``; the first launch skips them)."""
+
+
+def _long_groups(seg_start: Tensor) -> Tensor:
+    """The groups of more than :data:`LONG_ROWS` rows (int64, ascending): hot ids under skew, none when uniform."""
+    return torch.nonzero(seg_start[1:] - seg_start[:-1] > LONG_ROWS).flatten()
+
+
+def _long_items(long_groups: Tensor, d: int) -> int:
+    """The long-group launch's size: a block of ``_cuda.BLOCK`` threads per (long group, tile of that many
+    columns); 0 (no launch) when there is none."""
+    return long_groups.numel() * -(-d // _cuda.BLOCK) * _cuda.BLOCK
 
 
 @cuda_kernel("coalesce")
@@ -377,21 +394,14 @@ def scatter_add_rows_cuda(table: Tensor, ids: Tensor, values: Tensor) -> Tensor:
     num_rows, d = table.shape
     order, seg_start, group_ids = _group_rows(ids)
     num_groups = group_ids.numel()
-    _cuda.launch(
-        table.device,
-        f"sparsecomm_scatter_add_rows_{_cuda.VALUE_SUFFIX[table.dtype]}_{_cuda.ID_SUFFIX[ids.dtype]}",
-        num_groups * d,
-        (
-            _cuda.ptr(table),
-            _cuda.i64(num_rows),
-            _cuda.ptr(group_ids),
-            _cuda.ptr(values),
-            _cuda.ptr(order),
-            _cuda.ptr(seg_start),
-            _cuda.i64(num_groups),
-            _cuda.i64(d),
-        ),
-    )
+    rows = (_cuda.ptr(table), _cuda.i64(num_rows), _cuda.ptr(group_ids), _cuda.ptr(values), _cuda.ptr(order),
+            _cuda.ptr(seg_start))
+    suffix = f"{_cuda.VALUE_SUFFIX[table.dtype]}_{_cuda.ID_SUFFIX[ids.dtype]}"
+    _cuda.launch(table.device, f"sparsecomm_scatter_add_rows_{suffix}", num_groups * d,
+                 rows + (_cuda.i64(num_groups), _cuda.i64(d)))
+    long_groups = _long_groups(seg_start)
+    _cuda.launch(table.device, f"sparsecomm_scatter_add_rows_long_{suffix}", _long_items(long_groups, d),
+                 rows + (_cuda.ptr(long_groups), _cuda.i64(long_groups.numel()), _cuda.i64(d)))
     return table
 
 
