@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from sparsecomm.bench.netns import EmulatedCluster
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "two_hosts.py"
 pytestmark = [
     pytest.mark.slow,
@@ -17,10 +19,24 @@ pytestmark = [
 ]
 
 
-def _namespaces():
-    """The emulated hosts' namespaces on this machine now (a killed run's may be among them: not this test's)."""
+def _run(argv):
+    """Run a script; return (exit status, stderr, the namespaces of that run still on this machine).
+
+    A script's namespaces carry its process id (``EmulatedCluster``), so the
+    check ignores other runs' namespaces made or left meanwhile.
+    """
+    mine = EmulatedCluster(2, "1gbit")   # names only: nothing is made before __enter__
+    assert mine.ns[0] == f"sc_host{os.getpid() % 100000}h0" and mine.switch == f"sc_host{os.getpid() % 100000}sw"
+    proc = subprocess.Popen([sys.executable, *map(str, argv)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    tag = proc.pid % 100000
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.startswith("sc_host")}
+    left = {line.split()[0] for line in out.splitlines()}
+    return proc.returncode, err, {ns for ns in left if ns.startswith(f"sc_host{tag}h") or ns == f"sc_host{tag}sw"}
 
 
 def _can_make_namespaces():
@@ -32,25 +48,22 @@ def _can_make_namespaces():
 def test_local_aggregation_cuts_bytes_between_hosts(tmp_path):
     if not _can_make_namespaces():
         pytest.skip("network namespaces not permitted here")
-    before = _namespaces()
     out_json = tmp_path / "rows.json"
-    out = subprocess.run([sys.executable, str(SCRIPT), "--rows", "20000", "--density", "0.02", "--iters", "2",
-                          "--rate", "500mbit", "--json", str(out_json)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    rc, err, left = _run([SCRIPT, "--rows", "20000", "--density", "0.02", "--iters", "2", "--rate", "500mbit",
+                          "--json", out_json])
+    assert rc == 0, err[-3000:]
     flat, local = json.loads(out_json.read_text())
     assert flat["mode"] == "flat" and local["mode"] == "local-aggregation"
     assert 0 < local["inter_host_MB_per_call"] < flat["inter_host_MB_per_call"]
-    assert not _namespaces() - before, "the run left its namespaces behind"
+    assert not left, f"the run left its namespaces behind: {sorted(left)}"
 
 
 def test_cleans_up_when_ranks_fail():
     if not _can_make_namespaces():
         pytest.skip("network namespaces not permitted here")
-    before = _namespaces()
-    out = subprocess.run([sys.executable, str(SCRIPT), "--rows", "1000", "--fail", "--timeout", "120"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 1 and "failed" in out.stderr
-    assert not _namespaces() - before, "the run left its namespaces behind"
+    rc, err, left = _run([SCRIPT, "--rows", "1000", "--fail", "--timeout", "120"])
+    assert rc == 1 and "failed" in err
+    assert not left, f"the run left its namespaces behind: {sorted(left)}"
 
 
 CLUSTER = SCRIPT.parent / "cluster.py"
@@ -59,12 +72,10 @@ CLUSTER = SCRIPT.parent / "cluster.py"
 def test_cluster_sweep_checks_every_method_and_cleans_up(tmp_path):
     if not _can_make_namespaces():
         pytest.skip("network namespaces not permitted here")
-    before = _namespaces()
     out_json = tmp_path / "cluster.json"
-    out = subprocess.run([sys.executable, str(CLUSTER), "--topologies", "2x1", "--rates", "500mbit",
-                          "--overlaps", "shared", "--densities", "0.01", "--rows", "20000", "--iters", "1",
-                          "--json", str(out_json)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+    rc, err, left = _run([CLUSTER, "--topologies", "2x1", "--rates", "500mbit", "--overlaps", "shared",
+                          "--densities", "0.01", "--rows", "20000", "--iters", "1", "--json", out_json])
+    assert rc == 0, err[-3000:]
     records = json.loads(out_json.read_text())["records"]
     timed = {r["method"]: r for r in records if "wrong" in r and r["method"] != "tuned"}
     assert set(timed) == {"dense", "torch", "allgather", "partitioned", "tree"}  # two_level needs 2+ ranks/host
@@ -74,14 +85,12 @@ def test_cluster_sweep_checks_every_method_and_cleans_up(tmp_path):
     tuned = [r for r in records if r["method"] == "tuned"]
     assert len(tuned) == 1 and tuned[0]["picked"] in tuned[0]["tried"] and tuned[0]["wrong"] == 0
     assert tuned[0]["explore_syncs"] == 3 * len(tuned[0]["tried"]) and tuned[0]["seconds"] > 0
-    assert not _namespaces() - before, "the run left its namespaces behind"
+    assert not left, f"the run left its namespaces behind: {sorted(left)}"
 
 
 def test_cluster_cleans_up_when_ranks_fail():
     if not _can_make_namespaces():
         pytest.skip("network namespaces not permitted here")
-    before = _namespaces()
-    out = subprocess.run([sys.executable, str(CLUSTER), "--topologies", "2x1", "--rows", "1000", "--fail",
-                          "--timeout", "120"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 1 and "failed" in out.stderr
-    assert not _namespaces() - before, "the run left its namespaces behind"
+    rc, err, left = _run([CLUSTER, "--topologies", "2x1", "--rows", "1000", "--fail", "--timeout", "120"])
+    assert rc == 1 and "failed" in err
+    assert not left, f"the run left its namespaces behind: {sorted(left)}"
