@@ -60,32 +60,66 @@ def _groups(order, seg_start, num_groups):
 # ---- models of the kernels in csrc/cuda/*.cu; each returns the elements its grid covers ----
 
 
-def _coalesce_rows(suffix, values, order, seg_start, num_groups, d, out):
+def _sum_group(tab_or_none, vals, members, dtype):
+    """A group's sum as the kernels add it: from the table's value or the first row, left to right."""
+    acc = tab_or_none.to(_acc(dtype)) if tab_or_none is not None else vals[members[0]].to(_acc(dtype))
+    for i in members if tab_or_none is not None else members[1:]:
+        acc = acc + vals[i].to(_acc(dtype))
+    return acc.to(dtype)
+
+
+def _listed(order, seg_start, long_groups, num_long):
+    """The listed groups (long_groups[:num_long]) as {group: its rows}, and the number of value rows they reach."""
+    listed = _memory(long_groups, torch.int64, int(num_long)).tolist()
+    seg = _memory(seg_start, torch.int64, max(listed) + 2).tolist()
+    rows = _memory(order, torch.int64, seg[-1]).tolist()
+    members = {g: rows[seg[g]:seg[g + 1]] for g in listed}
+    return members, 1 + max(max(m) for m in members.values())
+
+
+def _coalesce_rows(suffix, values, order, seg_start, num_groups, d, long_rows, out):
     dtype, d = VALUE[suffix], int(d)
     groups, rows = _groups(order, seg_start, num_groups)
     vals = _memory(values, dtype, rows * d).view(rows, d)
     sums = _memory(out, dtype, len(groups) * d).view(len(groups), d)
     for g, members in enumerate(groups):
-        acc = vals[members[0]].to(_acc(dtype))  # from the group's first row
-        for i in members[1:]:
-            acc = acc + vals[i].to(_acc(dtype))
-        sums[g] = acc.to(dtype)
+        if len(members) <= int(long_rows):   # longer ones: the long kernel's
+            sums[g] = _sum_group(None, vals, members, dtype)
     return len(groups) * d
 
 
-def _scatter_add_rows(suffix, table, num_rows, group_id, values, order, seg_start, num_groups, d):
+def _coalesce_rows_long(suffix, values, order, seg_start, long_groups, num_long, d, out):
+    dtype, d = VALUE[suffix], int(d)
+    members, rows = _listed(order, seg_start, long_groups, num_long)
+    vals = _memory(values, dtype, rows * d).view(rows, d)
+    sums = _memory(out, dtype, (max(members) + 1) * d).view(-1, d)
+    for g, m in members.items():
+        sums[g] = _sum_group(None, vals, m, dtype)
+    return int(num_long) * -(-d // BLOCK) * BLOCK
+
+
+def _scatter_add_rows(suffix, table, num_rows, group_id, values, order, seg_start, num_groups, d, long_rows):
+    groups, rows = _groups(order, seg_start, num_groups)
+    short = {g: m for g, m in enumerate(groups) if len(m) <= int(long_rows)}   # longer ones: the long kernel's
+    _scatter_into(suffix, table, num_rows, group_id, values, short, rows, d)
+    return len(groups) * int(d)
+
+
+def _scatter_add_rows_long(suffix, table, num_rows, group_id, values, order, seg_start, long_groups, num_long, d):
+    members, rows = _listed(order, seg_start, long_groups, num_long)
+    _scatter_into(suffix, table, num_rows, group_id, values, members, rows, d)
+    return int(num_long) * -(-int(d) // BLOCK) * BLOCK
+
+
+def _scatter_into(suffix, table, num_rows, group_id, values, groups, rows, d):
     value_suffix, id_suffix = suffix.split("_")
     dtype, d, num_rows = VALUE[value_suffix], int(d), int(num_rows)
-    groups, rows = _groups(order, seg_start, num_groups)
     vals = _memory(values, dtype, rows * d).view(rows, d)
     tab = _memory(table, dtype, num_rows * d).view(num_rows, d)
-    for g, row in enumerate(_memory(group_id, ID[id_suffix], len(groups)).tolist()):
-        if 0 <= row < num_rows:
-            acc = tab[row].to(_acc(dtype))  # from the table's value
-            for i in groups[g]:
-                acc = acc + vals[i].to(_acc(dtype))
-            tab[row] = acc.to(dtype)
-    return len(groups) * d
+    ids = _memory(group_id, ID[id_suffix], max(groups, default=-1) + 1).tolist()
+    for g, members in groups.items():
+        if 0 <= ids[g] < num_rows:
+            tab[ids[g]] = _sum_group(tab[ids[g]], vals, members, dtype)
 
 
 def _partition_owners(suffix, ids, n, scheme, num_owners, range_size, stride, owners, counts, block_bins,
@@ -111,7 +145,10 @@ def _gather_rows(suffix, table, num_rows, ids, n, row_units, out):
     return n * row_units
 
 
-MODELS = {"sparsecomm_coalesce_rows_": _coalesce_rows, "sparsecomm_scatter_add_rows_": _scatter_add_rows,
+# Longer prefixes first: a kernel takes the first model whose prefix its name starts with.
+MODELS = {"sparsecomm_coalesce_rows_long_": _coalesce_rows_long, "sparsecomm_coalesce_rows_": _coalesce_rows,
+          "sparsecomm_scatter_add_rows_long_": _scatter_add_rows_long,
+          "sparsecomm_scatter_add_rows_": _scatter_add_rows,
           "sparsecomm_partition_owners_": _partition_owners, "sparsecomm_gather_rows_": _gather_rows}
 
 
@@ -177,6 +214,7 @@ def gpu(monkeypatch) -> EmulatedGpu:
     monkeypatch.setattr(_cuda, "BLOCK", BLOCK)
     monkeypatch.setattr(_cuda, "_max_blocks", lambda device: MAX_BLOCKS)
     monkeypatch.setattr(_cuda, "_stream_handle", lambda device: 0)
+    monkeypatch.setattr(_rows, "LONG_ROWS", 2)   # the cases' groups of 3+ rows take the long-group kernels
     # The compiled-kernel caches would otherwise keep the stand-in's kernels for the package.
     monkeypatch.setattr(_cuda, "_modules", {})
     monkeypatch.setattr(_cuda, "_functions", {})

@@ -5,8 +5,9 @@
 // pair is summed by one thread, over the group's rows in input order, so the
 // result is deterministic and bitwise equal to the CPU kernel. Neighbouring
 // threads take neighbouring columns of the same rows: loads coalesce for any
-// d. Groups longer than kLongRows (hot ids) are summed by a second launch, a
-// block a group, staging its rows for the adding threads (common.cuh).
+// d. Groups of more than long_rows rows (hot ids) are left to a second
+// launch, a block a group, staging its rows for the adding threads
+// (common.cuh).
 #include "common.cuh"
 
 namespace sparsecomm {
@@ -32,9 +33,9 @@ struct GroupSums {
   extern "C" __global__ void sparsecomm_coalesce_rows_##SUFFIX(                                 \
       const T* __restrict__ values, const long long* __restrict__ order,                        \
       const long long* __restrict__ seg_start, long long num_groups, long long d,               \
-      T* __restrict__ out) {                                                                    \
+      long long long_rows, T* __restrict__ out) {                                               \
     const sparsecomm::GroupSums<T> target = {out};                                              \
-    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, target);        \
+    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, long_rows, target); \
   }                                                                                             \
   extern "C" __global__ void sparsecomm_coalesce_rows_long_##SUFFIX(                            \
       const T* __restrict__ values, const long long* __restrict__ order,                        \

@@ -169,9 +169,9 @@ __device__ __forceinline__ typename Accum<T>::type reduce_group_column(
 
 // Threads per block the staging is written for; sparsecomm/_cuda.py's BLOCK.
 // Another block size still gives exact results, through the per-thread path.
+// Which groups are long (more rows than long_rows) the host decides and
+// passes to both kernels (sparsecomm/_library/_rows.py, LONG_ROWS).
 constexpr int kBlock = 256;
-// Groups with more rows than this are summed by the whole block.
-constexpr index_t kLongRows = 256;
 
 // A staged chunk is `chunk` rows x `cols` columns, row-major in shared memory.
 // Thread i loads column i % cols of rows i / cols + m * (kBlock / cols),
@@ -281,8 +281,8 @@ __device__ typename Accum<T>::type block_sum_rows(const T* __restrict__ values,
 //   kAccumulate               true: the sum starts from *dst (scatter-add);
 //                             false: from the group's first row (coalesce).
 
-__device__ __forceinline__ bool is_long(const index_t* __restrict__ seg_start, index_t g) {
-  return seg_start[g + 1] - seg_start[g] > kLongRows;
+__device__ __forceinline__ bool is_long(const index_t* __restrict__ seg_start, index_t g, index_t long_rows) {
+  return seg_start[g + 1] - seg_start[g] > long_rows;
 }
 
 // One (group, column) pair summed by its own thread.
@@ -299,18 +299,19 @@ __device__ __forceinline__ void reduce_pair(const T* __restrict__ values,
 }
 
 // The short groups' kernel: grid-stride over the (group, column) pairs, one
-// thread a pair; long groups are left to reduce_long_groups (or, with a block
-// size other than kBlock, summed here too).
+// thread a pair; groups of more than long_rows rows are left to
+// reduce_long_groups (or, with a block size other than kBlock, summed here too).
 template <typename T, typename Target>
 __device__ __forceinline__ void reduce_short_groups(const T* __restrict__ values,
                                                     const index_t* __restrict__ order,
                                                     const index_t* __restrict__ seg_start,
-                                                    index_t num_groups, index_t d, const Target& target) {
+                                                    index_t num_groups, index_t d, index_t long_rows,
+                                                    const Target& target) {
   const index_t total = num_groups * d;
   const bool all = blockDim.x != kBlock;
   for (index_t t = global_thread_index(); t < total; t += grid_stride()) {
     const index_t g = t / d;
-    if (all || !is_long(seg_start, g)) reduce_pair<T>(values, order, seg_start, g, t - g * d, d, t, target);
+    if (all || !is_long(seg_start, g, long_rows)) reduce_pair<T>(values, order, seg_start, g, t - g * d, d, t, target);
   }
 }
 

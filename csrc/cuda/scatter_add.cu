@@ -6,9 +6,9 @@
 // from the table's current value, adds the group's rows in input order
 // (float32 for fp16/bf16) and rounds once. That makes the result
 // deterministic and bitwise equal to the CPU kernel, unlike atomicAdd, whose
-// order depends on scheduling. Groups longer than kLongRows (hot ids) are
-// summed by a second launch, a block a group, staging its rows for the adding
-// threads (common.cuh).
+// order depends on scheduling. Groups of more than long_rows rows (hot ids)
+// are left to a second launch, a block a group, staging its rows for the
+// adding threads (common.cuh).
 #include "common.cuh"
 
 namespace sparsecomm {
@@ -40,9 +40,10 @@ struct TableRows {
   extern "C" __global__ void sparsecomm_scatter_add_rows_##SUFFIX##_##ID_SUFFIX(                   \
       T* __restrict__ table, long long num_rows, const IdT* __restrict__ group_id,                 \
       const T* __restrict__ values, const long long* __restrict__ order,                           \
-      const long long* __restrict__ seg_start, long long num_groups, long long d) {                \
+      const long long* __restrict__ seg_start, long long num_groups, long long d,                  \
+      long long long_rows) {                                                                       \
     const sparsecomm::TableRows<T, IdT> target = {table, num_rows, group_id, d};                   \
-    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, target);           \
+    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, long_rows, target); \
   }                                                                                                \
   extern "C" __global__ void sparsecomm_scatter_add_rows_long_##SUFFIX##_##ID_SUFFIX(              \
       T* __restrict__ table, long long num_rows, const IdT* __restrict__ group_id,                 \

@@ -74,30 +74,25 @@ def coalesce_rows_cuda(ids: Tensor, values: Tensor) -> Tuple[Tensor, Tensor]:
     order, seg_start, group_ids = _group_rows(ids)
     num_groups = group_ids.numel()
     out = values.new_empty((num_groups, d))
-    rows = (_cuda.ptr(values), _cuda.ptr(order), _cuda.ptr(seg_start))
-    suffix = _cuda.VALUE_SUFFIX[values.dtype]
-    _cuda.launch(values.device, f"sparsecomm_coalesce_rows_{suffix}", num_groups * d,
-                 rows + (_cuda.i64(num_groups), _cuda.i64(d), _cuda.ptr(out)))
-    long_groups = _long_groups(seg_start)
-    _cuda.launch(values.device, f"sparsecomm_coalesce_rows_long_{suffix}", _long_items(long_groups, d),
-                 rows + (_cuda.ptr(long_groups), _cuda.i64(long_groups.numel()), _cuda.i64(d), _cuda.ptr(out)))
+    _segment_sums(values.device, "coalesce_rows", _cuda.VALUE_SUFFIX[values.dtype], seg_start, num_groups, d,
+                  (_cuda.ptr(values), _cuda.ptr(order), _cuda.ptr(seg_start)), (_cuda.ptr(out),))
     return group_ids, out
 
 
 LONG_ROWS = 256
-"""Groups of more rows than this are summed by the second, block-staged launch (``kLongRows`` in
-``csrc/cuda/common.cuh``; the first launch skips them)."""
+"""Groups of more rows than this (hot ids) are summed by a second launch, a block each (``csrc/cuda/common.cuh``)."""
 
 
-def _long_groups(seg_start: Tensor) -> Tensor:
-    """The groups of more than :data:`LONG_ROWS` rows (int64, ascending): hot ids under skew, none when uniform."""
-    return torch.nonzero(seg_start[1:] - seg_start[:-1] > LONG_ROWS).flatten()
-
-
-def _long_items(long_groups: Tensor, d: int) -> int:
-    """The long-group launch's size: a block of ``_cuda.BLOCK`` threads per (long group, tile of that many
-    columns); 0 (no launch) when there is none."""
-    return long_groups.numel() * -(-d // _cuda.BLOCK) * _cuda.BLOCK
+def _segment_sums(device: Any, op: str, suffix: str, seg_start: Tensor, num_groups: int, d: int,
+                  head: Tuple[Any, ...], tail: Tuple[Any, ...]) -> None:
+    """Launch ``sparsecomm_<op>_<suffix>`` over the short groups, then ``sparsecomm_<op>_long_<suffix>`` over
+    the groups of more than :data:`LONG_ROWS` rows (none under uniform ids: no launch), a block per (group,
+    tile of ``_cuda.BLOCK`` columns); ``head`` and ``tail``: the arguments before and after the group ones."""
+    _cuda.launch(device, f"sparsecomm_{op}_{suffix}", num_groups * d,
+                 head + (_cuda.i64(num_groups), _cuda.i64(d), _cuda.i64(LONG_ROWS)) + tail)
+    long_groups = torch.nonzero(seg_start[1:] - seg_start[:-1] > LONG_ROWS).flatten()
+    _cuda.launch(device, f"sparsecomm_{op}_long_{suffix}", long_groups.numel() * -(-d // _cuda.BLOCK) * _cuda.BLOCK,
+                 head + (_cuda.ptr(long_groups), _cuda.i64(long_groups.numel()), _cuda.i64(d)) + tail)
 
 
 @cuda_kernel("coalesce")
@@ -394,14 +389,9 @@ def scatter_add_rows_cuda(table: Tensor, ids: Tensor, values: Tensor) -> Tensor:
     num_rows, d = table.shape
     order, seg_start, group_ids = _group_rows(ids)
     num_groups = group_ids.numel()
-    rows = (_cuda.ptr(table), _cuda.i64(num_rows), _cuda.ptr(group_ids), _cuda.ptr(values), _cuda.ptr(order),
-            _cuda.ptr(seg_start))
-    suffix = f"{_cuda.VALUE_SUFFIX[table.dtype]}_{_cuda.ID_SUFFIX[ids.dtype]}"
-    _cuda.launch(table.device, f"sparsecomm_scatter_add_rows_{suffix}", num_groups * d,
-                 rows + (_cuda.i64(num_groups), _cuda.i64(d)))
-    long_groups = _long_groups(seg_start)
-    _cuda.launch(table.device, f"sparsecomm_scatter_add_rows_long_{suffix}", _long_items(long_groups, d),
-                 rows + (_cuda.ptr(long_groups), _cuda.i64(long_groups.numel()), _cuda.i64(d)))
+    _segment_sums(table.device, "scatter_add_rows", f"{_cuda.VALUE_SUFFIX[table.dtype]}_{_cuda.ID_SUFFIX[ids.dtype]}",
+                  seg_start, num_groups, d, (_cuda.ptr(table), _cuda.i64(num_rows), _cuda.ptr(group_ids),
+                                             _cuda.ptr(values), _cuda.ptr(order), _cuda.ptr(seg_start)), ())
     return table
 
 
