@@ -123,6 +123,7 @@ VARIANTS = [
     ("sparse-bf16-compressed", {"sparse_compression": "bf16", "overrides": {
         "emb.weight": "allgather", "bag_sum.weight": "allgather", "bag_mean.weight": "allgather"}}, 5e-2),
     ("inline", {"overlap_sparse": False}, 2e-5),  # the step's sparse sync on the autograd thread
+    ("eager", {"eager_sparse": True}, 2e-5),       # each sparse bucket synced as it arrives, on the worker thread
     ("dense-allreduce", {"fuse_dense": False, "overrides": {"emb.weight": "torch"}}, 2e-5),
 ]
 DENSE_PATHS = {"dense", "dense-fused"}

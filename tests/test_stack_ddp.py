@@ -106,10 +106,10 @@ def _join(rank, world, options, short):
     return diff
 
 
-def _errors_intact(rank, world):
+def _errors_intact(rank, world, options=None):
     """An error raised inside the hook reaches loss.backward() with its own type and message, on every rank,
     and the DDP model keeps training afterwards like plain DDP."""
-    _, ours, _, ref = twins(3, nonfinite="raise", fuse_dense=False)
+    _, ours, _, ref = twins(3, nonfinite="raise", fuse_dense=False, **(options or {}))
     opts = [torch.optim.SGD(m.parameters(), lr=0.2) for m in (ours, ref)]
     seen = []
     for step in range(4):
@@ -137,11 +137,11 @@ def _errors_intact(rank, world):
     return seen
 
 
-def _accumulate(rank, world, ddp_kwargs, autocast):
+def _accumulate(rank, world, ddp_kwargs, autocast, options=None):
     """``no_sync`` for the first of every two micro-batches (gradients add up locally, sparse and dense), a synced
     second one, then a step; with ``ddp_kwargs`` (``gradient_as_bucket_view``) and under bf16 autocast: the hook
     against plain DDP doing the same, every weight after every step."""
-    _, ours, state, ref = twins(4, ddp_kwargs, **({"fuse_dense": False} if autocast else {}))
+    _, ours, state, ref = twins(4, ddp_kwargs, **({"fuse_dense": False} if autocast else {}), **(options or {}))
     opts = [torch.optim.SGD(m.parameters(), lr=0.2) for m in (ours, ref)]
     tol = 2e-2 if autocast else TOL
     worst = 0.0
@@ -169,6 +169,10 @@ CASES = [
     ("static-graph-overlap-unfused", _static_graph, ({"overlap_sparse": True, "fuse_dense": False},)),
     ("join-two-short", _join, ({}, 2)),
     ("join-overlap-rows", _join, ({"overlap_sparse": True, "sparse_dense_embeddings": True}, 1)),
+    ("static-graph-eager", _static_graph, ({"eager_sparse": True},)),
+    ("join-eager", _join, ({"eager_sparse": True}, 2)),
+    ("no-sync-eager", _accumulate, (None, False, {"eager_sparse": True})),
+    ("errors-intact-eager", _errors_intact, ({"eager_sparse": True},)),
     ("errors-intact", _errors_intact, ()),
 ]
 
@@ -184,6 +188,11 @@ def test_static_graph_join_and_errors_match_plain_ddp(world):
         assert res["static-graph"] < TOL and res["join-two-short"] < TOL
         assert res["no-sync"] < TOL and res["no-sync-bucket-view"] < TOL and res["no-sync-bf16-autocast"] < 2e-2
         assert len(res["errors-intact"]) == 1 and "NaN" in res["errors-intact"][0], res["errors-intact"]
+        # Each sparse bucket synced as it arrives, on the worker thread: the same results, the same errors.
+        assert res["static-graph-eager"] < TOL and res["join-eager"] < TOL and res["no-sync-eager"] < TOL
+        # Which NaN is found first (the sparse table's rows or the dense bucket) depends on the threads' timing.
+        eager = res["errors-intact-eager"]
+        assert len(eager) == 1 and "NaN" in eager[0], eager
 
 
 def _dead_peer(rank, world):

@@ -8,6 +8,9 @@ step by step, on the same batches (noise hits all alike):
 
 - ``ddp``: plain DDP, ``sparse=True`` tables (gloo's sparse allreduce);
 - ``register``: the same under ``sparsecomm.register`` (the hook);
+- ``register_eager``: the hook with ``eager_sparse=True`` (each sparse
+  bucket synced as it arrives, on the hook group's worker thread, while
+  backward goes on, as plain DDP overlaps its sparse allreduces);
 - ``register_bf16``: the hook with ``sparse_compression="bf16"`` (sparse
   rows in bf16 on the wire: not exact, so never the verdict's pick; SGD and
   Adagrad only, since Adam's first step takes a sign that a rounded sum of
@@ -88,7 +91,7 @@ from sparsecomm.cost_model import sharded_floor_bytes
 from sparsecomm.sharded.combined import build_optimizer
 from sparsecomm.synthetic import zipf_ids
 
-METHODS = ("ddp", "register", "parallelize", "parallelize_plan", "sharded")
+METHODS = ("ddp", "register", "register_eager", "parallelize", "parallelize_plan", "sharded")
 LOSSY = ("register_bf16", "parallelize_bf16")   # compared, checked against the same tolerance, left out of the verdict
 PHASES = ("forward", "backward", "optimizer", "step")
 # Adagrad starts its accumulators at 0.1 (as DLRM setups do): a first step of lr * g / |g| would make the
@@ -270,10 +273,11 @@ def _build(method: str, model: nn.Module, a: argparse.Namespace, rows: Sequence[
     cls, kw = OPTIMIZERS[optimizer]
     if method == "torchrec_dmp":
         return e2e_torchrec.build(model, rows, a.dim, optimizer, OPTIMIZERS)
-    if method in ("ddp", "register", "register_bf16"):
+    if method in ("ddp", "register", "register_eager", "register_bf16"):
         model = DDP(model)
         if method != "ddp":
-            sparsecomm.register(model, sparse_compression="bf16" if method == "register_bf16" else None)
+            sparsecomm.register(model, sparse_compression="bf16" if method == "register_bf16" else None,
+                                eager_sparse=method == "register_eager")
         return model, reference_optimizer(model.module, optimizer), ""
     if method in ("parallelize", "parallelize_bf16"):  # as a user calls it: no plan, no sample batch
         compression = "bf16" if method == "parallelize_bf16" else None

@@ -64,6 +64,14 @@ class HookConfig:
             thread: it starts once the backward's graph has run, so nothing
             is left to overlap and the thread hop only adds latency. Either
             way only one thread ever uses the hook's group.
+        eager_sparse: synchronize each sparse bucket as soon as DDP hands it
+            over, on the hook group's worker thread, while backward goes on
+            (off by default). One collective per sparse bucket instead of one
+            per step: worth it where bytes, not round trips, make the step
+            (few ranks on a slow link), since each table's transfer then
+            overlaps the rest of backward and the next table's coalescing;
+            plain DDP does the same with gloo's sparse allreduce. Results are
+            the same bits either way.
         fuse_dense: let small dense buckets ride in the step's sparse
             exchange (every rank sends its bucket to every rank, which sums
             them in rank order) instead of an allreduce of their own, where
@@ -103,6 +111,7 @@ class HookConfig:
     reclassify_every: int = 0
     history: int = 100
     overlap_sparse: bool = False
+    eager_sparse: bool = False
     fuse_dense: bool = True
     # measured choice (see sparsecomm.hooks.tuner)
     tune: bool = False

@@ -102,7 +102,11 @@ def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.fu
         # Every bucket arrives with index 0 and none is last, and DDP's finalize waits for the
         # futures right after the last one: nothing can wait for a later bucket.
         _flush(state)
-    elif mode is _Mode.JOINED and bucket.is_last():
+    elif buffer.is_sparse and state.config.eager_sparse:
+        # This bucket now, on the worker thread, while the graph goes on; a joined rank's shadow
+        # does the same, so every rank runs one sync per sparse bucket, in bucket order.
+        _flush(state)
+    if mode is _Mode.JOINED and bucket.is_last():
         _flush(state, wait=True)
         _close(state, joined=True)
     return fut
@@ -192,7 +196,7 @@ def _flush(state: SparseCommState, wait: bool = False) -> None:
                                           local_aggregation=config.local_aggregation, nonfinite=config.nonfinite,
                                           stats=stats, capacity=capacity, compression=config.sparse_compression)
 
-    if config.overlap_sparse:
+    if config.overlap_sparse or config.eager_sparse:   # eager: every sync of the group on its worker thread
         fut = run_async(job, group=group, device=tensors[0].device)
     else:
         fut = torch.futures.Future()

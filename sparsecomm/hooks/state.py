@@ -145,6 +145,7 @@ class SparseCommState:
     nonfinite = _setting("nonfinite")
     reclassify_every = _setting("reclassify_every")
     overlap_sparse = _setting("overlap_sparse")
+    eager_sparse = _setting("eager_sparse")
     fuse_dense = _setting("fuse_dense")
     tune = _setting("tune")
     tune_samples = _setting("tune_samples")
