@@ -169,8 +169,9 @@ __device__ __forceinline__ typename Accum<T>::type reduce_group_column(
 
 // Threads per block the staging is written for; sparsecomm/_cuda.py's BLOCK.
 // Another block size still gives exact results, through the per-thread path.
-// Which groups are long (more rows than long_rows) the host decides and
-// passes to both kernels (sparsecomm/_library/_rows.py, LONG_ROWS).
+// Which groups are long the host decides (sparsecomm/_library/_rows.py,
+// LONG_ROWS): the short groups' kernel gets the threshold (long_rows), the
+// long groups' kernel the list of them.
 constexpr int kBlock = 256;
 
 // A staged chunk is `chunk` rows x `cols` columns, row-major in shared memory.

@@ -348,19 +348,14 @@ def _sizes(p: PendingRequest, a: Announced) -> _Sizes:
     me, n, count = p.me, p.n, len(p.requests)
     paths = [[tables[t].path for tables in a.tables] for t in range(count)]
     weight_bytes = [[tables[t].weight_bytes for tables in a.tables] for t in range(count)]
-    words = []                                                                        # [table][rank][owner]
-    for t in range(count):
-        per_rank = []
-        for tables in a.tables:
-            m = tables[t]
-            extra = [pooled_words(o, b, m.weight_bytes) for o, b in zip(m.occurrences, m.bags)] if m.path else None
-            per_rank.append([c + e for c, e in zip(m.counts, extra)] if extra else list(m.counts))
-        words.append(per_rank)
-    largest = max((sum(words[t][r][j] for t in range(count)) for r in range(n) for j in range(n)), default=0)
+    words = [[[c + (pooled_words(o, b, m.weight_bytes) if m.path else 0)        # [table][rank][owner]
+               for c, o, b in zip(m.counts, m.occurrences, m.bags)]
+              for m in (tables[t] for tables in a.tables)] for t in range(count)]
+    largest = max(sum(words[t][r][j] for t in range(count)) for r in range(n) for j in range(n))
     pooled_any = any(r.pooled is not None for r in p.requests) or any(any(x) for x in paths)
     return _Sizes(paths, weight_bytes, [[a.tables[r][t].counts[me] for r in range(n)] for t in range(count)],
                   [[words[t][r][me] for r in range(n)] for t in range(count)], [words[t][me] for t in range(count)],
-                  largest if count else 0, pooled_any)
+                  largest, pooled_any)
 
 
 def _exchange_ids(p: PendingRequest, received: torch.Tensor, s: _Sizes) -> torch.Tensor:

@@ -238,9 +238,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if self.spec is None:
             raise ValueError("this ParallelOptimizer was not built by build_optimizer: it cannot make a new part")
         options = {k: first.source.get(k, v) for k, v in self.spec.part_options(part).items()}
-        # A sharded part starts empty: set_tables gives its tables their incoming state (no state made twice).
-        opt = self.spec.part_class(part)([{"params": []}], defer=True, **options) if part == "sharded" else \
-            self.spec.part_class(part)(list(items), **options)
+        cls = self.spec.part_class(part)
+        if part == "sharded":  # starts empty: set_tables gives its tables their incoming state (no state made twice)
+            opt = cls([{"params": []}], defer=True, **options)
+        else:
+            opt = cls(list(items), **options)
         opt.param_groups[0].update({k: v for k, v in first.source.items()
                                     if k != "params" and k not in first.source_defaults})
         return opt
