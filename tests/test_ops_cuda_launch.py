@@ -68,47 +68,60 @@ def _sum_group(tab_or_none, vals, members, dtype):
     return acc.to(dtype)
 
 
+def _list_long(groups, long_rows, long_groups, num_long, capacity):
+    """What the short kernels do with the groups of more than ``long_rows`` rows: list them for the long kernels,
+    here last group first (the device's atomics give no fixed order, and none may matter). The rest: {g: rows}."""
+    long = [g for g, m in enumerate(groups) if len(m) > int(long_rows)][::-1]
+    assert len(long) <= int(capacity), "the host sized the list for every possible long group"
+    _memory(long_groups, torch.int64, len(long))[:] = torch.tensor(long, dtype=torch.int64)
+    _memory(num_long, torch.int64, 1)[0] = len(long)
+    return {g: m for g, m in enumerate(groups) if len(m) <= int(long_rows)}
+
+
 def _listed(order, seg_start, long_groups, num_long):
-    """The listed groups (long_groups[:num_long]) as {group: its rows}, and the number of value rows they reach."""
-    listed = _memory(long_groups, torch.int64, int(num_long)).tolist()
+    """The listed groups (long_groups[:*num_long]) as {group: its rows}, and the number of value rows they reach."""
+    listed = _memory(long_groups, torch.int64, int(_memory(num_long, torch.int64, 1)[0])).tolist()
+    if not listed:
+        return {}, 0
     seg = _memory(seg_start, torch.int64, max(listed) + 2).tolist()
     rows = _memory(order, torch.int64, seg[-1]).tolist()
     members = {g: rows[seg[g]:seg[g + 1]] for g in listed}
     return members, 1 + max(max(m) for m in members.values())
 
 
-def _coalesce_rows(suffix, values, order, seg_start, num_groups, d, long_rows, out):
+def _coalesce_rows(suffix, values, order, seg_start, num_groups, d, long_rows, long_groups, num_long, capacity, out):
     dtype, d = VALUE[suffix], int(d)
     groups, rows = _groups(order, seg_start, num_groups)
     vals = _memory(values, dtype, rows * d).view(rows, d)
     sums = _memory(out, dtype, len(groups) * d).view(len(groups), d)
-    for g, members in enumerate(groups):
-        if len(members) <= int(long_rows):   # longer ones: the long kernel's
-            sums[g] = _sum_group(None, vals, members, dtype)
+    for g, members in _list_long(groups, long_rows, long_groups, num_long, capacity).items():
+        sums[g] = _sum_group(None, vals, members, dtype)
     return len(groups) * d
 
 
-def _coalesce_rows_long(suffix, values, order, seg_start, long_groups, num_long, d, out):
+def _coalesce_rows_long(suffix, values, order, seg_start, long_groups, num_long, capacity, d, out):
     dtype, d = VALUE[suffix], int(d)
     members, rows = _listed(order, seg_start, long_groups, num_long)
     vals = _memory(values, dtype, rows * d).view(rows, d)
-    sums = _memory(out, dtype, (max(members) + 1) * d).view(-1, d)
+    sums = _memory(out, dtype, (max(members, default=-1) + 1) * d).view(-1, d)
     for g, m in members.items():
         sums[g] = _sum_group(None, vals, m, dtype)
-    return int(num_long) * -(-d // BLOCK) * BLOCK
+    return int(capacity) * -(-d // BLOCK) * BLOCK
 
 
-def _scatter_add_rows(suffix, table, num_rows, group_id, values, order, seg_start, num_groups, d, long_rows):
+def _scatter_add_rows(suffix, table, num_rows, group_id, values, order, seg_start, num_groups, d, long_rows,
+                      long_groups, num_long, capacity):
     groups, rows = _groups(order, seg_start, num_groups)
-    short = {g: m for g, m in enumerate(groups) if len(m) <= int(long_rows)}   # longer ones: the long kernel's
+    short = _list_long(groups, long_rows, long_groups, num_long, capacity)
     _scatter_into(suffix, table, num_rows, group_id, values, short, rows, d)
     return len(groups) * int(d)
 
 
-def _scatter_add_rows_long(suffix, table, num_rows, group_id, values, order, seg_start, long_groups, num_long, d):
+def _scatter_add_rows_long(suffix, table, num_rows, group_id, values, order, seg_start, long_groups, num_long,
+                           capacity, d):
     members, rows = _listed(order, seg_start, long_groups, num_long)
     _scatter_into(suffix, table, num_rows, group_id, values, members, rows, d)
-    return int(num_long) * -(-int(d) // BLOCK) * BLOCK
+    return int(capacity) * -(-int(d) // BLOCK) * BLOCK
 
 
 def _scatter_into(suffix, table, num_rows, group_id, values, groups, rows, d):

@@ -27,22 +27,25 @@ struct GroupSums {
 // out[g, :] = sum of values[order[k], :] for k in seg_start[g] .. seg_start[g + 1]:
 // two entry points per value dtype, launched one after the other,
 // sparsecomm_coalesce_rows_<f32|f64|f16|bf16> (the short groups) and
-// sparsecomm_coalesce_rows_long_<f32|f64|f16|bf16> (the long ones, listed
-// in long_groups).
+// sparsecomm_coalesce_rows_long_<f32|f64|f16|bf16> (the long ones, which
+// the first lists in long_groups[0 .. *num_long), at most capacity).
 #define SPARSECOMM_DEFINE_COALESCE_ROWS(SUFFIX, T)                                              \
   extern "C" __global__ void sparsecomm_coalesce_rows_##SUFFIX(                                 \
       const T* __restrict__ values, const long long* __restrict__ order,                        \
       const long long* __restrict__ seg_start, long long num_groups, long long d,               \
-      long long long_rows, T* __restrict__ out) {                                               \
+      long long long_rows, long long* __restrict__ long_groups, long long* __restrict__ num_long,  \
+      long long capacity, T* __restrict__ out) {                                                \
     const sparsecomm::GroupSums<T> target = {out};                                              \
-    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, long_rows, target); \
+    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, long_rows, long_groups, \
+                                       num_long, capacity, target);                             \
   }                                                                                             \
   extern "C" __global__ void sparsecomm_coalesce_rows_long_##SUFFIX(                            \
       const T* __restrict__ values, const long long* __restrict__ order,                        \
       const long long* __restrict__ seg_start, const long long* __restrict__ long_groups,       \
-      long long num_long, long long d, T* __restrict__ out) {                                   \
+      const long long* __restrict__ num_long, long long capacity, long long d,                  \
+      T* __restrict__ out) {                                                                    \
     const sparsecomm::GroupSums<T> target = {out};                                              \
-    sparsecomm::reduce_long_groups<T>(values, order, seg_start, long_groups, num_long, d, target); \
+    sparsecomm::reduce_long_groups<T>(values, order, seg_start, long_groups, num_long, capacity, d, target); \
   }
 
 SPARSECOMM_DEFINE_COALESCE_ROWS(f32, float)

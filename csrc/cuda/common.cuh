@@ -169,9 +169,12 @@ __device__ __forceinline__ typename Accum<T>::type reduce_group_column(
 
 // Threads per block the staging is written for; sparsecomm/_cuda.py's BLOCK.
 // Another block size still gives exact results, through the per-thread path.
-// Which groups are long the host decides (sparsecomm/_library/_rows.py,
-// LONG_ROWS): the short groups' kernel gets the threshold (long_rows), the
-// long groups' kernel the list of them.
+// The host sets the threshold (sparsecomm/_library/_rows.py, LONG_ROWS); the
+// short groups' kernel lists the long groups it skips, in device memory
+// (long_groups, *num_long: in no fixed order, which changes no sum: each
+// group is summed by one block in row order), and the long groups' kernel
+// reads that list. No host sync between the two launches: where no group is
+// long (uniform ids), the second launch finds an empty list and returns.
 constexpr int kBlock = 256;
 
 // A staged chunk is `chunk` rows x `cols` columns, row-major in shared memory.
@@ -300,33 +303,46 @@ __device__ __forceinline__ void reduce_pair(const T* __restrict__ values,
 }
 
 // The short groups' kernel: grid-stride over the (group, column) pairs, one
-// thread a pair; groups of more than long_rows rows are left to
-// reduce_long_groups (or, with a block size other than kBlock, summed here too).
+// thread a pair; groups of more than long_rows rows are appended (by their
+// column-0 thread) to long_groups[0 .. capacity) and counted in *num_long,
+// for reduce_long_groups (or, with a block size other than kBlock, summed
+// here too).
 template <typename T, typename Target>
 __device__ __forceinline__ void reduce_short_groups(const T* __restrict__ values,
                                                     const index_t* __restrict__ order,
                                                     const index_t* __restrict__ seg_start,
                                                     index_t num_groups, index_t d, index_t long_rows,
+                                                    index_t* __restrict__ long_groups,
+                                                    index_t* __restrict__ num_long, index_t capacity,
                                                     const Target& target) {
   const index_t total = num_groups * d;
   const bool all = blockDim.x != kBlock;
   for (index_t t = global_thread_index(); t < total; t += grid_stride()) {
     const index_t g = t / d;
-    if (all || !is_long(seg_start, g, long_rows)) reduce_pair<T>(values, order, seg_start, g, t - g * d, d, t, target);
+    const index_t col = t - g * d;
+    if (all || !is_long(seg_start, g, long_rows)) {
+      reduce_pair<T>(values, order, seg_start, g, col, d, t, target);
+    } else if (col == 0) {
+      const index_t at = static_cast<index_t>(atomicAdd(reinterpret_cast<unsigned long long*>(num_long), 1ULL));
+      if (at < capacity) long_groups[at] = g;  // the host sizes the list for every possible long group
+    }
   }
 }
 
 // The long groups' kernel: block-stride over (long group, tile of kBlock
-// columns) items, long_groups[0 .. num_long) listing the long groups (the
-// host finds them; the short groups' kernel skipped them). Launched with
-// num_long * ceil(d / kBlock) * kBlock "elements", one block an item.
+// columns) items, long_groups[0 .. *num_long) listing the long groups (the
+// short groups' kernel listed them). Launched with capacity * ceil(d / kBlock)
+// * kBlock "elements" (one block an item, the grid capped): the host does not
+// wait to learn how many there are.
 template <typename T, typename Target>
 __device__ void reduce_long_groups(const T* __restrict__ values, const index_t* __restrict__ order,
                                    const index_t* __restrict__ seg_start,
-                                   const index_t* __restrict__ long_groups, index_t num_long,
+                                   const index_t* __restrict__ long_groups,
+                                   const index_t* __restrict__ num_long_at, index_t capacity,
                                    index_t d, const Target& target) {
   typedef Accum<T> A;
   if (blockDim.x != kBlock) return;  // reduce_short_groups summed every pair
+  const index_t num_long = *num_long_at < capacity ? *num_long_at : capacity;
   const index_t tiles = (d + kBlock - 1) / kBlock;
   for (index_t item = blockIdx.x; item < num_long * tiles; item += gridDim.x) {
     const index_t at = item / tiles;

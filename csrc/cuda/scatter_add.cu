@@ -34,24 +34,26 @@ struct TableRows {
 
 // Two entry points per (value dtype, id dtype), launched one after the other:
 // sparsecomm_scatter_add_rows_<f32|f64|f16|bf16>_<i32|i64> (the short groups)
-// and sparsecomm_scatter_add_rows_long_<...>_<...> (the long ones, listed in
-// long_groups).
+// and sparsecomm_scatter_add_rows_long_<...>_<...> (the long ones, which the
+// first lists in long_groups[0 .. *num_long), at most capacity).
 #define SPARSECOMM_DEFINE_SCATTER_ADD_ROWS(SUFFIX, T, ID_SUFFIX, IdT)                              \
   extern "C" __global__ void sparsecomm_scatter_add_rows_##SUFFIX##_##ID_SUFFIX(                   \
       T* __restrict__ table, long long num_rows, const IdT* __restrict__ group_id,                 \
       const T* __restrict__ values, const long long* __restrict__ order,                           \
       const long long* __restrict__ seg_start, long long num_groups, long long d,                  \
-      long long long_rows) {                                                                       \
+      long long long_rows, long long* __restrict__ long_groups, long long* __restrict__ num_long,     \
+      long long capacity) {                                                                        \
     const sparsecomm::TableRows<T, IdT> target = {table, num_rows, group_id, d};                   \
-    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, long_rows, target); \
+    sparsecomm::reduce_short_groups<T>(values, order, seg_start, num_groups, d, long_rows, long_groups, \
+                                       num_long, capacity, target);                                \
   }                                                                                                \
   extern "C" __global__ void sparsecomm_scatter_add_rows_long_##SUFFIX##_##ID_SUFFIX(              \
       T* __restrict__ table, long long num_rows, const IdT* __restrict__ group_id,                 \
       const T* __restrict__ values, const long long* __restrict__ order,                           \
       const long long* __restrict__ seg_start, const long long* __restrict__ long_groups,          \
-      long long num_long, long long d) {                                                           \
+      const long long* __restrict__ num_long, long long capacity, long long d) {                   \
     const sparsecomm::TableRows<T, IdT> target = {table, num_rows, group_id, d};                   \
-    sparsecomm::reduce_long_groups<T>(values, order, seg_start, long_groups, num_long, d, target); \
+    sparsecomm::reduce_long_groups<T>(values, order, seg_start, long_groups, num_long, capacity, d, target); \
   }
 
 #define SPARSECOMM_DEFINE_SCATTER_ADD_ROWS_FOR_IDS(SUFFIX, T)   \

@@ -72,9 +72,8 @@ def coalesce_rows_cuda(ids: Tensor, values: Tensor) -> Tuple[Tensor, Tensor]:
     if ids.numel() == 0:
         return ids.new_empty(0), values.new_empty((0, d))
     order, seg_start, group_ids = _group_rows(ids)
-    num_groups = group_ids.numel()
-    out = values.new_empty((num_groups, d))
-    _segment_sums(values.device, "coalesce_rows", _cuda.VALUE_SUFFIX[values.dtype], seg_start, num_groups, d,
+    out = values.new_empty((group_ids.numel(), d))
+    _segment_sums("coalesce_rows", _cuda.VALUE_SUFFIX[values.dtype], order, seg_start, d,
                   (_cuda.ptr(values), _cuda.ptr(order), _cuda.ptr(seg_start)), (_cuda.ptr(out),))
     return group_ids, out
 
@@ -83,16 +82,20 @@ LONG_ROWS = 256
 """Groups of more rows than this (hot ids) are summed by a second launch, a block each (``csrc/cuda/common.cuh``)."""
 
 
-def _segment_sums(device: Any, op: str, suffix: str, seg_start: Tensor, num_groups: int, d: int,
-                  head: Tuple[Any, ...], tail: Tuple[Any, ...]) -> None:
-    """Launch ``sparsecomm_<op>_<suffix>`` over the short groups, then ``sparsecomm_<op>_long_<suffix>`` over
-    the groups of more than :data:`LONG_ROWS` rows (none under uniform ids: no launch), a block per (group,
-    tile of ``_cuda.BLOCK`` columns); ``head`` and ``tail``: the arguments before and after the group ones."""
-    _cuda.launch(device, f"sparsecomm_{op}_{suffix}", num_groups * d,
-                 head + (_cuda.i64(num_groups), _cuda.i64(d), _cuda.i64(LONG_ROWS)) + tail)
-    long_groups = torch.nonzero(seg_start[1:] - seg_start[:-1] > LONG_ROWS).flatten()
-    _cuda.launch(device, f"sparsecomm_{op}_long_{suffix}", long_groups.numel() * -(-d // _cuda.BLOCK) * _cuda.BLOCK,
-                 head + (_cuda.ptr(long_groups), _cuda.i64(long_groups.numel()), _cuda.i64(d)) + tail)
+def _segment_sums(op: str, suffix: str, order: Tensor, seg_start: Tensor, d: int, head: Tuple[Any, ...],
+                  tail: Tuple[Any, ...]) -> None:
+    """Launch ``sparsecomm_<op>_<suffix>`` over the short groups, which lists the groups of more than
+    :data:`LONG_ROWS` rows on the device, then ``sparsecomm_<op>_long_<suffix>`` over that list: no host sync
+    between them. ``head``, ``tail``: the arguments before and after the group ones."""
+    num_groups = seg_start.numel() - 1
+    capacity = min(num_groups, order.numel() // (LONG_ROWS + 1))
+    long_groups = torch.empty(capacity, dtype=torch.int64, device=order.device)
+    num_long = torch.zeros(1, dtype=torch.int64, device=order.device)
+    _cuda.launch(order.device, f"sparsecomm_{op}_{suffix}", num_groups * d,
+                 head + (_cuda.i64(num_groups), _cuda.i64(d), _cuda.i64(LONG_ROWS), _cuda.ptr(long_groups),
+                         _cuda.ptr(num_long), _cuda.i64(capacity)) + tail)
+    _cuda.launch(order.device, f"sparsecomm_{op}_long_{suffix}", capacity * -(-d // _cuda.BLOCK) * _cuda.BLOCK,
+                 head + (_cuda.ptr(long_groups), _cuda.ptr(num_long), _cuda.i64(capacity), _cuda.i64(d)) + tail)
 
 
 @cuda_kernel("coalesce")
@@ -388,10 +391,9 @@ def scatter_add_rows_cuda(table: Tensor, ids: Tensor, values: Tensor) -> Tensor:
         return table
     num_rows, d = table.shape
     order, seg_start, group_ids = _group_rows(ids)
-    num_groups = group_ids.numel()
-    _segment_sums(table.device, "scatter_add_rows", f"{_cuda.VALUE_SUFFIX[table.dtype]}_{_cuda.ID_SUFFIX[ids.dtype]}",
-                  seg_start, num_groups, d, (_cuda.ptr(table), _cuda.i64(num_rows), _cuda.ptr(group_ids),
-                                             _cuda.ptr(values), _cuda.ptr(order), _cuda.ptr(seg_start)), ())
+    _segment_sums("scatter_add_rows", f"{_cuda.VALUE_SUFFIX[table.dtype]}_{_cuda.ID_SUFFIX[ids.dtype]}", order,
+                  seg_start, d, (_cuda.ptr(table), _cuda.i64(num_rows), _cuda.ptr(group_ids), _cuda.ptr(values),
+                                 _cuda.ptr(order), _cuda.ptr(seg_start)), ())
     return table
 
 
