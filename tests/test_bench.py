@@ -395,10 +395,14 @@ def test_e2e_on_one_host_every_method_right(tmp_path):
     out = _bench(["e2e", "--nproc", "2", *TINY_E2E, "--json", str(js)], timeout=300)
     assert out.returncode == 0, _fail(out)
     rows = [r for r in _rows(js) if not r.get("skipped")]
-    ours = {"ddp", "register", "register_eager", "register_bf16", "parallelize", "parallelize_bf16",
-            "parallelize_plan", "sharded"}
+    ours = {"ddp", "register", "register_fused", "register_eager", "register_bf16", "parallelize",
+            "parallelize_bf16", "parallelize_plan", "sharded"}
     assert {r["method"] for r in rows} in (ours, ours | {"torchrec_dmp"})  # TorchRec where it is installed
     assert all(r["#wrong"] == 0 and r["hosts"] == "" and r["link_floor_ms"] == "" for r in rows)
+    # The hook as a user calls it ran its eager/fused trial to a decision; the held modes ran none.
+    kept = {r["method"]: r.get("kept") for r in rows}
+    assert kept["register"] in ("eager", "fused") and kept["register_bf16"] in ("eager", "fused")
+    assert not kept.get("register_fused") and not kept.get("register_eager")
 
 
 def test_migrate_moves_whole_and_stale_to_the_same_bits(tmp_path):
@@ -428,11 +432,11 @@ def test_e2e_across_two_emulated_hosts(tmp_path):
     out = _bench(["e2e", "--hosts", "2", "--rate", "1gbit", *TINY_E2E, "--json", str(js)], timeout=300)
     assert out.returncode == 0, _fail(out)
     rows = [r for r in _rows(js) if not r.get("skipped")]
-    assert len(rows) in (8, 9) and all(r["#wrong"] == 0 and r["hosts"] == "2x1" and r["rate"] == "1gbit"
+    assert len(rows) in (9, 10) and all(r["#wrong"] == 0 and r["hosts"] == "2x1" and r["rate"] == "1gbit"
                                        for r in rows)
     # The link floor adds the bytes each method must move at 1 Gbit/s to the compute floor.
     moved = {r["method"]: r["MB_moved"] for r in rows}
-    assert moved["register_bf16"] < moved["register"] == moved["register_eager"]  # sparse rows in bf16
+    assert moved["register_bf16"] < moved["register"] == moved["register_eager"] == moved["register_fused"]
     kept = {r["method"]: r.get("kept") for r in rows}
     if kept["parallelize_bf16"] == kept["parallelize"]:   # the same placement, its rows in bf16
         assert moved["parallelize_bf16"] < moved["parallelize"]

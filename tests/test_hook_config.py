@@ -27,6 +27,7 @@ BAD_OPTIONS = [
     ("history", -1, "-1"),
     ("tune_samples", 0, "0"),
     ("tune_every", -5, "-5"),
+    ("eager_sparse", "sometimes", "'sometimes'"),
 ]
 
 

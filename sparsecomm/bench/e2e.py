@@ -7,10 +7,16 @@ loss. Every rank holds one replica per method and trains them alternately,
 step by step, on the same batches (noise hits all alike):
 
 - ``ddp``: plain DDP, ``sparse=True`` tables (gloo's sparse allreduce);
-- ``register``: the same under ``sparsecomm.register`` (the hook);
-- ``register_eager``: the hook with ``eager_sparse=True`` (each sparse
-  bucket synced as it arrives, on the hook group's worker thread, while
-  backward goes on, as plain DDP overlaps its sparse allreduces);
+- ``register``: the same under ``sparsecomm.register`` (the hook) as a user
+  calls it: ``eager_sparse='auto'`` times a few steps with one fused sparse
+  sync per step and a few with one sync per sparse bucket, and keeps the
+  faster; like ``parallelize``'s trial below, that trial runs alone right
+  after the checked step (``kept``, ``trial_s``, ``trial_cost``);
+- ``register_fused`` / ``register_eager``: the hook held to one mode,
+  ``eager_sparse=False`` (the step's sparse tables in one sync after the
+  graph) or ``True`` (each sparse bucket synced as it arrives, on the hook
+  group's worker thread, while backward goes on, as plain DDP overlaps its
+  sparse allreduces);
 - ``register_bf16``: the hook with ``sparse_compression="bf16"`` (sparse
   rows in bf16 on the wire: not exact, so never the verdict's pick; SGD and
   Adagrad only, since Adam's first step takes a sign that a rounded sum of
@@ -91,7 +97,7 @@ from sparsecomm.cost_model import sharded_floor_bytes
 from sparsecomm.sharded.combined import build_optimizer
 from sparsecomm.synthetic import zipf_ids
 
-METHODS = ("ddp", "register", "register_eager", "parallelize", "parallelize_plan", "sharded")
+METHODS = ("ddp", "register", "register_fused", "register_eager", "parallelize", "parallelize_plan", "sharded")
 LOSSY = ("register_bf16", "parallelize_bf16")   # compared, checked against the same tolerance, left out of the verdict
 PHASES = ("forward", "backward", "optimizer", "step")
 # Adagrad starts its accumulators at 0.1 (as DLRM setups do): a first step of lr * g / |g| would make the
@@ -113,7 +119,8 @@ LEGEND = {
     "hosts": "emulated hosts x ranks per host (blank: one host)",
     "rate": "each emulated host link's cap, both ways",
     "#wrong": "tensors off a float64 single-process step on the whole batch (non-zero exits 3)",
-    "kept": "the placement parallelize's trial kept (replicated, planned, row-sharded or sampled)",
+    "kept": "what the trial kept: parallelize's placement (replicated, planned, row-sharded or sampled), the hook's "
+            "sparse sync mode (eager or fused)",
     "trial_s": "wall time of the placement trial (its steps included)",
     "trial_steps": "steps the placement trial took",
     "trial_cost": "the trial's time beyond as many steps at the kept placement's speed, per 1,000 steps at that speed",
@@ -236,6 +243,8 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
             if step == 0 and getattr(r["opt"], "trial", None) is not None:   # checked: now run it to its decision
                 r["trial"] = _finish_trial(r, a, rows, rank)
                 r["bytes"] = _bytes_moved(method, r["model"], batches, rows, a)
+            elif step == 0 and getattr(getattr(r["model"], "_sparsecomm_state", None), "eager_sparse", None) == "auto":
+                r["trial"] = _finish_hook_trial(r, a, rows, rank)
             if step >= a.warmup:
                 for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                     r["times"][phase].append(dt)
@@ -268,16 +277,34 @@ def _finish_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int],
                 kept=opt.trial.candidates[opt.trial.kept].name if opt.trial.done else "undecided")
 
 
+def _finish_hook_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int], rank: int
+                       ) -> Dict[str, Any]:
+    """Train the hook's model alone until its eager/fused trial has decided: its steps, wall time and report."""
+    model, opt, steps = r["model"], r["opt"], 0
+    state = model._sparsecomm_state
+    batches = [make_batch(a, rows, 100_000 + i, rank) for i in range(40)]   # made before the clock starts
+    start = time.perf_counter()
+    while (state.eager_trial is None or state.eager_trial.eager is None) and steps < len(batches):
+        opt.zero_grad(set_to_none=True)
+        loss_of(model, batches[steps]).backward()
+        opt.step()
+        steps += 1
+    trial = state.eager_trial
+    kept = "undecided" if trial is None or trial.eager is None else "eager" if trial.eager else "fused"
+    return dict(steps=steps, seconds=time.perf_counter() - start, kept=kept,
+                report=f"# the hook's sparse syncs: {kept}, " + (trial.reason if trial else "no trial"))
+
+
 def _build(method: str, model: nn.Module, a: argparse.Namespace, rows: Sequence[int], optimizer: str):
     """One method's model and optimizer (and its plan, printed), from a copy of the same initial weights."""
     cls, kw = OPTIMIZERS[optimizer]
     if method == "torchrec_dmp":
         return e2e_torchrec.build(model, rows, a.dim, optimizer, OPTIMIZERS)
-    if method in ("ddp", "register", "register_eager", "register_bf16"):
+    if method in ("ddp", "register", "register_fused", "register_eager", "register_bf16"):
         model = DDP(model)
         if method != "ddp":
             sparsecomm.register(model, sparse_compression="bf16" if method == "register_bf16" else None,
-                                eager_sparse=method == "register_eager")
+                                eager_sparse={"register_eager": True, "register_fused": False}.get(method, "auto"))
         return model, reference_optimizer(model.module, optimizer), ""
     if method in ("parallelize", "parallelize_bf16"):  # as a user calls it: no plan, no sample batch
         compression = "bf16" if method == "parallelize_bf16" else None

@@ -9,7 +9,7 @@ backend) stay in the state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Union
 
 from sparsecomm.collectives.dense import COMPRESSION_DTYPES
 from sparsecomm.types import PartitionScheme, SyncMethod
@@ -64,14 +64,18 @@ class HookConfig:
             thread: it starts once the backward's graph has run, so nothing
             is left to overlap and the thread hop only adds latency. Either
             way only one thread ever uses the hook's group.
-        eager_sparse: synchronize each sparse bucket as soon as DDP hands it
-            over, on the hook group's worker thread, while backward goes on
-            (off by default). One collective per sparse bucket instead of one
-            per step: worth it where bytes, not round trips, make the step
-            (few ranks on a slow link), since each table's transfer then
-            overlaps the rest of backward and the next table's coalescing;
-            plain DDP does the same with gloo's sparse allreduce. Results are
-            the same bits either way.
+        eager_sparse: ``'auto'`` (default), True or False. True: synchronize
+            each sparse bucket as soon as DDP hands it over, on the hook
+            group's worker thread, while backward goes on: one collective per
+            sparse bucket instead of one per step, worth it where bytes, not
+            round trips, make the step (few ranks on a slow link), since each
+            table's transfer then overlaps the rest of backward; plain DDP
+            does the same with gloo's sparse allreduce. False: one fused sync
+            per step, after the graph. ``'auto'``: measured in the job (see
+            :mod:`sparsecomm.hooks.eager_trial`): from step 2, a few steps each
+            way, and every rank keeps the mode whose steps were faster on the
+            slowest rank (one small all-reduce), re-measured every
+            ``tune_every`` steps. Results are the same bits either way.
         fuse_dense: let small dense buckets ride in the step's sparse
             exchange (every rank sends its bucket to every rank, which sums
             them in rank order) instead of an allreduce of their own, where
@@ -86,7 +90,8 @@ class HookConfig:
             hook's group, under its timeout), and re-measures it and the
             paths that came within 2x every ``tune_every`` syncs.
         tune_samples: timed syncs per candidate path (their median counts).
-        tune_every: syncs between exploration phases (0: explore once).
+        tune_every: syncs between exploration phases (0: explore once); for
+            ``eager_sparse='auto'``, steps between its measurements.
 
     Raises:
         ValueError: a setting out of its range, naming the setting and why.
@@ -111,7 +116,7 @@ class HookConfig:
     reclassify_every: int = 0
     history: int = 100
     overlap_sparse: bool = False
-    eager_sparse: bool = False
+    eager_sparse: Union[bool, str] = "auto"
     fuse_dense: bool = True
     # measured choice (see sparsecomm.hooks.tuner)
     tune: bool = False
@@ -136,6 +141,8 @@ class HookConfig:
             raise ValueError(f"scheme must be one of {[s.value for s in PartitionScheme]}, got {self.scheme!r}")
         if self.nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {self.nonfinite!r}")
+        if not (isinstance(self.eager_sparse, bool) or self.eager_sparse == "auto"):
+            raise ValueError(f"eager_sparse must be True, False or 'auto', got {self.eager_sparse!r}")
         if self.reclassify_every < 0:
             raise ValueError(f"reclassify_every must be >= 0 (0: decide once), got {self.reclassify_every}")
         if self.history < 0:

@@ -102,7 +102,7 @@ def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.fu
         # Every bucket arrives with index 0 and none is last, and DDP's finalize waits for the
         # futures right after the last one: nothing can wait for a later bucket.
         _flush(state)
-    elif buffer.is_sparse and state.config.eager_sparse:
+    elif buffer.is_sparse and state.step.eager:
         # This bucket now, on the worker thread, while the graph goes on; a joined rank's shadow
         # does the same, so every rank runs one sync per sparse bucket, in bucket order.
         _flush(state)
@@ -117,6 +117,7 @@ def _open_step(state: SparseCommState) -> _Mode:
     backward = current_backward()
     mode = _Mode.JOINED if backward is None else _Mode.GRAPH if in_graph() else _Mode.CALLBACK
     if state.step.open(backward):
+        state.step.eager = state.begin_step()  # every rank, this step's first bucket: the same answer
         if mode is _Mode.JOINED:
             try:
                 state.shadow_join()  # the peers' sharded rounds come before the hook's sync
@@ -196,7 +197,7 @@ def _flush(state: SparseCommState, wait: bool = False) -> None:
                                           local_aggregation=config.local_aggregation, nonfinite=config.nonfinite,
                                           stats=stats, capacity=capacity, compression=config.sparse_compression)
 
-    if config.overlap_sparse or config.eager_sparse:   # eager: every sync of the group on its worker thread
+    if config.overlap_sparse or state.step.eager:   # eager: every sync of the group on its worker thread
         fut = run_async(job, group=group, device=tensors[0].device)
     else:
         fut = torch.futures.Future()

@@ -27,6 +27,7 @@ from sparsecomm.collectives.probe import LinkProbe, measure_link
 from sparsecomm.collectives.step_order import JoinShadow
 from sparsecomm.hooks.classifier import Decision, choose_method, host_layout, method_costs
 from sparsecomm.hooks.config import HookConfig
+from sparsecomm.hooks.eager_trial import EagerTrial
 from sparsecomm.hooks.step import StepWork
 from sparsecomm.hooks.tuner import MethodTuner, candidates_near
 from sparsecomm.hooks.unused import install_unused_table_hook
@@ -131,7 +132,7 @@ class SparseCommState:
         # internal state
         "world_size", "local_world_size", "latency_bytes", "link", "_backend", "_sparse_group", "_tuners",
         "param_names", "dense_embedding_names", "decisions", "iteration", "_decided_at", "_calls", "_suggested",
-        "step", "_capacity", "_lock", "_module",
+        "step", "_capacity", "_lock", "_module", "eager_trial",
         # statistics
         "stats", "step_stats", "history",
     )
@@ -176,6 +177,7 @@ class SparseCommState:
         else:
             self.latency_bytes = float(config.latency_bytes)
         self._tuners: Dict[str, MethodTuner] = {}
+        self.eager_trial: Optional[EagerTrial] = None   # eager_sparse='auto': the measured mode
         self._module: Optional[weakref.ref] = None
         self._init_runtime()
         self.param_names: Dict[int, str] = {}
@@ -265,6 +267,9 @@ class SparseCommState:
                 f"(L={self.link.ranks_per_host})" if self.link is not None else "")
         lines = [f"sparsecomm hook: {self.iteration} steps, world size {self.world_size}, "
                  f"one collective ~ {self.latency_bytes:.3g} bytes{link}", repr(self.stats), repr(self.decisions)]
+        if self.eager_trial is not None:
+            mode = {None: "fused per step until measured", True: "per bucket (eager)", False: "fused per step"}
+            lines.append(f"sparse syncs: {mode[self.eager_trial.eager]} ({self.eager_trial.reason})")
         lines += self._dense_table_lines()
         forced = {k: v for k, v in self.config.overrides.items() if v != "auto"}
         if forced:
@@ -305,6 +310,9 @@ class SparseCommState:
         self.param_names = {}
         self._module = None
         self._init_runtime()
+        self.eager_trial = state.get("eager_trial")  # absent from states pickled before it existed
+        if self.eager_trial is not None:
+            self.eager_trial.reset_clock()
 
     # ------------------------------------------------------------- decisions
 
@@ -365,9 +373,7 @@ class SparseCommState:
     def _settle(self, name: str, tuner: MethodTuner, s: SparseSyncStats) -> None:
         """End an exploration phase: every rank's median per candidate, the slowest rank's counts (collective)."""
         group = self.sparse_group
-        like = torch.device("cuda", torch.cuda.current_device()) if self._backend != "gloo" and \
-            torch.cuda.is_available() else torch.device("cpu")
-        agreed = max_over_ranks(tuner.local_times(), group, comm_device(group, like))  # under the group's timeout
+        agreed = max_over_ranks(tuner.local_times(), group, comm_device(group, self._comm_like()))  # group timeout
         tried = list(tuner.trying)
         best = tuner.settle(agreed)
         previous = self.decisions.get(name)
@@ -377,6 +383,12 @@ class SparseCommState:
         self.decisions[name] = Decision(best, reason, previous.estimated_bytes if previous else {})
         if previous is None or previous.method != best:
             logger.info("sparsecomm: %s -> %s path: %s", name, best.value, reason)
+
+    def _comm_like(self) -> torch.device:
+        """A device of this rank's kind for a small agreement collective (CUDA for NCCL groups)."""
+        if self._backend != "gloo" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def fuses_dense(self, buffer: torch.Tensor) -> bool:
         """Should this dense bucket ride in the step's sparse exchange? (Same answer on every rank.)"""
@@ -412,8 +424,20 @@ class SparseCommState:
         call = self._calls[name] = self._calls.get(name, 0) + 1
         return call
 
+    def begin_step(self) -> bool:
+        """At a step's first bucket, on every rank: does this step sync each sparse bucket as it arrives?"""
+        setting = self.config.eager_sparse
+        if setting != "auto" or self.world_size <= 1:
+            return setting is True
+        if self.eager_trial is None:
+            self.eager_trial = EagerTrial(self.config.tune_every)
+        return self.eager_trial.begin(self.iteration + 1)   # steps close on every rank: the same number
+
     def end_step(self) -> None:
-        """Close the step's counters into ``history`` (after all of its work has completed)."""
+        """Close the step's counters into ``history`` (after all of its work has completed); where the
+        eager/fused trial has timed its last step, agree on the mode (collective)."""
+        if self.eager_trial is not None and self.config.eager_sparse == "auto":
+            self.eager_trial.end(self.sparse_group, comm_device(self.sparse_group, self._comm_like()))
         with self._lock:
             self.history.append(dict(self.step_stats))
             self.step_stats = _Counters()

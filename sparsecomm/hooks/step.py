@@ -60,13 +60,16 @@ class StepWork:
         clears_empty: whether tables no rank touched get ``.grad = None``
             after the step (the model has sparse tables and the unused-table
             hook covers them).
+        eager: this step syncs each sparse bucket as it arrives (the state
+            sets it when the step opens; ``HookConfig.eager_sparse``).
     """
 
-    __slots__ = ("clears_empty", "_held", "_futures", "_empty", "_cleanup_queued", "_task", "_open", "_lock",
+    __slots__ = ("clears_empty", "eager", "_held", "_futures", "_empty", "_cleanup_queued", "_task", "_open", "_lock",
                  "_error", "_failed")
 
     def __init__(self) -> None:
         self.clears_empty = False
+        self.eager = False
         self._lock = threading.Lock()   # errors arrive from the backend's and the worker's threads
         self._task: Optional[int] = None
         self._open = False
