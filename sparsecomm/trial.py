@@ -201,11 +201,25 @@ class PlacementTrial:
         self._recent: List[float] = []     # the kept placement's latest steps (drift)
         self._since = 0                    # steps since the last decision
         self.stale = StaleReplicas() if config.stale_replicas else None
+        # The hook's own eager/fused trial would change the replicas' steps while placements are timed: the hook
+        # stays fused while this trial measures, and measures its modes once a placement is kept.
+        self._hook_auto = self._hook_mode() in ("auto", None)
+        self._set_hook_mode(False)
 
     @property
     def done(self) -> bool:
         """Whether the trial has decided (re-checks may still run)."""
         return self.kept is not None
+
+    def _hook_mode(self) -> Any:
+        state = getattr(self._model_now().module, "sparsecomm_state", None)
+        return state.eager_sparse if state is not None else None
+
+    def _set_hook_mode(self, mode: Any) -> None:
+        """``eager_sparse`` of the replicas' hook (of the placement held now), where this trial manages it."""
+        state = getattr(self._model_now().module, "sparsecomm_state", None)
+        if self._hook_auto and state is not None:
+            state.eager_sparse = mode
 
     def _model_now(self) -> DDP:
         model = self._model()
@@ -318,6 +332,7 @@ class PlacementTrial:
             t.reason = t.reason.split("; measured:")[0] + "; " + note
         if self.current != best:
             self._move(optimizer, best)
+        self._set_hook_mode("auto")
 
     def _drifted(self, interval: Optional[float]) -> bool:
         """Whether the kept placement's recent steps are ``drift`` slower than measured on some rank.
@@ -352,6 +367,7 @@ class PlacementTrial:
         self._pass = [self.kept, ranked[0]]
         self.measuring = self.kept
         self._skip = self.config.settle
+        self._set_hook_mode(False)
 
     def _move(self, optimizer: Any, index: int) -> bool:
         """Replan the model to candidate ``index``; False when the candidate cannot be placed (dropped, logged).
@@ -383,6 +399,7 @@ class PlacementTrial:
         self.moves += 1
         self.move_seconds += time.perf_counter() - start
         self.current, self._want = index, None
+        self._set_hook_mode(False if self.measuring is not None else "auto")   # a new hook starts with the defaults
         return True
 
     def report(self) -> str:

@@ -41,8 +41,8 @@ def _run_trial(monkeypatch, cost, steps, every=0):
     return trial, modes
 
 
-@pytest.mark.parametrize("eager_cost,kept", [(0.005, True), (0.020, False), (0.010, False)],
-                         ids=["eager-faster", "fused-faster", "tie-keeps-fused"])
+@pytest.mark.parametrize("eager_cost,kept", [(0.005, True), (0.020, False), (0.010, False), (0.0097, False)],
+                         ids=["eager-faster", "fused-faster", "tie-keeps-fused", "within-margin-keeps-fused"])
 def test_the_trial_tries_each_mode_then_keeps_the_faster(monkeypatch, eager_cost, kept):
     trial, modes = _run_trial(monkeypatch, lambda step, eager: eager_cost if eager else 0.010, SETTLED + 5)
     # Fused before the trial and in its first half, eager in its second half, then the kept mode.

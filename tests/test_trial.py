@@ -87,6 +87,12 @@ def step_of(model, opt, step, rank, world):
     opt.step()
 
 
+def hook_mode(model, trial):
+    """(measuring?, the replicas' hook eager_sparse): the trial holds the hook fused while it times placements."""
+    state = getattr(model.module, "sparsecomm_state", None)
+    return trial.measuring is not None, state.eager_sparse if state is not None else None
+
+
 def assert_same(model, reference, what):
     diffs = weight_diffs(model, reference)
     worst = max(diffs, key=diffs.get)
@@ -104,12 +110,14 @@ def case_trial(rank, world, name, config=FAST):
     first, trial, ref = model, opt.trial, Reference(name)
     assert [c.name for c in trial.candidates] == ["replicated", "planned", "row-sharded"]
     assert set(placement(model).values()) == {"replicate"}
-    seen = []
+    seen, modes = [], []
     for step in range(24):
         step_of(model, opt, step, rank, world)
         ref.step(step)
         assert_same(model, ref.model, f"{name}, world {world}, step {step}")
         seen.append(tuple(sorted(placement(model).items())))
+        modes.append(hook_mode(model, trial))
+    assert set(modes) == {(True, False), (False, "auto")} and modes[-1] == (False, "auto"), modes
     assert model is first and trial.done and trial.moves >= 2, trial.report()
     # the first step's ids, seen by the trial, planned as a sample batch of them would be (union and bags)
     alone = sparsecomm.plan(Model(), batch(0, rank, world)[0], optimizer=cls)
@@ -180,6 +188,8 @@ def case_recheck(rank, world):
             slow.append(0.2)
         step_of(model, opt, step, rank, world)
         ref.step(step)
+        measuring, mode = hook_mode(model, trial)
+        assert mode == (False if measuring else "auto"), (step, measuring, mode)
         checks = [e for e in trial.log if ": re-check:" in e]
         drift = [e for e in trial.log if "on some rank: re-check" in e]
         if len(checks) >= 2 and drift and trial.log.index(drift[0]) < trial.log.index(checks[-1]):   # decided

@@ -9,15 +9,21 @@ whole steps in each mode and keeps the faster one, the same on every rank:
 
 - a step's time is the wall time from its first bucket to the next step's
   first bucket (forward, backward, optimizer: what a user waits for);
-- from step :data:`START`, each mode runs :data:`WARMUP` + :data:`SAMPLES`
+- from the hook's step :data:`START` (counted from when ``'auto'`` took
+  effect), each mode runs :data:`WARMUP` + :data:`SAMPLES`
   consecutive steps (fused first), the first :data:`WARMUP` not counted
   (:class:`~sparsecomm.hooks.tuner.MethodTuner`'s schedule, in step numbers,
   which are the same on every rank);
 - when the last of them has been timed, at the end of the next step, the
   ranks agree on the slowest rank's median per mode (one small all-reduce on
-  the hook's group, under its timeout) and keep the faster mode; a tie keeps
-  the fused one. Both are measured again every ``HookConfig.tune_every``
+  the hook's group, under its timeout) and keep the faster mode; eager must
+  be :data:`MARGIN` faster (on a 2-core machine two runs of one mode differ
+  by about that), else fused stays. Both are measured again every ``HookConfig.tune_every``
   steps.
+
+A mode set by someone else for a while (``parallelize``'s placement trial
+holds the hook fused while it times placements) pauses the trial: a phase
+cut by the pause runs again from the step after it.
 
 Both modes give the same bits (see ``HookConfig.eager_sparse``), so trying
 them costs time, never exactness.
@@ -35,13 +41,14 @@ import torch.distributed as dist
 from sparsecomm.collectives.dense import max_over_ranks
 from sparsecomm.hooks.tuner import MethodTuner
 
-__all__ = ["EagerTrial", "START", "WARMUP", "SAMPLES"]
+__all__ = ["EagerTrial", "START", "WARMUP", "SAMPLES", "MARGIN"]
 
 logger = logging.getLogger("sparsecomm")
 
 START = 2     # step 1 decides each table's path; the modes are tried from the next
 WARMUP = 1    # steps of a mode not counted: its first step pays the switch (the worker thread, new buffers)
-SAMPLES = 4   # timed steps per mode (their median counts)
+SAMPLES = 6   # timed steps per mode (their median counts)
+MARGIN = 0.05  # eager is kept only when its median step is this much faster: within noise, fused (fewer collectives)
 
 
 class EagerTrial:
@@ -49,17 +56,19 @@ class EagerTrial:
 
     Args:
         every: steps between two measurements of both modes (0: measure once).
+        first_step: the hook's step at which ``'auto'`` takes effect (1 for a new hook).
 
     Attributes:
         eager: the mode kept (None until the first trial has ended).
         reason: the agreed figures behind it, for a person.
     """
 
-    def __init__(self, every: int) -> None:
-        self._tuner: MethodTuner[bool] = MethodTuner([False, True], start=START, warmup=WARMUP, samples=SAMPLES,
-                                                     every=every, keep=float("inf"))
+    def __init__(self, every: int, first_step: int = 1) -> None:
+        self._tuner: MethodTuner[bool] = MethodTuner([False, True], start=first_step + START - 1, warmup=WARMUP,
+                                                     samples=SAMPLES, every=every, keep=float("inf"))
         self._last_open: Optional[float] = None
         self._settle_due = False
+        self._paused = False
         self.reason = "not measured yet (fused until then)"
 
     @property
@@ -70,7 +79,10 @@ class EagerTrial:
         """At step ``step``'s first bucket (1-based, the same number on every rank): time the step before it;
         True when this step syncs each sparse bucket as it arrives."""
         now = time.perf_counter()
-        if self._last_open is not None and self._tuner.record(step - 1, now - self._last_open):
+        if self._paused:   # the steps in between ran in a mode set from outside: not this trial's
+            self._paused = False
+            self._tuner.restart(step + 1)
+        elif self._last_open is not None and self._tuner.record(step - 1, now - self._last_open):
             self._settle_due = True
         self._last_open = now
         return bool(self._tuner.method(step))
@@ -84,10 +96,19 @@ class EagerTrial:
         tried = list(self._tuner.trying)
         agreed = max_over_ranks(self._tuner.local_times(), group, device)
         eager = self._tuner.settle(agreed)
+        times = dict(zip(tried, agreed))
+        if eager and False in times and times[True] > (1 - MARGIN) * times[False]:
+            eager = self._tuner.best = False   # not faster by the margin
         figures = ", ".join(f"{'eager' if m else 'fused'} {1e3 * t:.3g}" for m, t in zip(tried, agreed))
         self.reason = f"measured ms/step (slowest rank, median of {SAMPLES}): {figures}"
         logger.info("sparsecomm: sparse syncs %s: %s", "per bucket (eager)" if eager else "fused per step",
                     self.reason)
+
+    def pause(self) -> None:
+        """A step runs in a mode set from outside (``eager_sparse`` not ``'auto'`` for now): not timed here."""
+        self._paused = True
+        self._last_open = None
+        self._settle_due = False
 
     def reset_clock(self) -> None:
         """Forget the last step's start (after unpickling: another process's clock)."""

@@ -426,12 +426,14 @@ class SparseCommState:
 
     def begin_step(self) -> bool:
         """At a step's first bucket, on every rank: does this step sync each sparse bucket as it arrives?"""
-        setting = self.config.eager_sparse
+        setting, step = self.config.eager_sparse, self.iteration + 1   # steps close on every rank: the same number
         if setting != "auto" or self.world_size <= 1:
+            if self.eager_trial is not None:
+                self.eager_trial.pause()
             return setting is True
         if self.eager_trial is None:
-            self.eager_trial = EagerTrial(self.config.tune_every)
-        return self.eager_trial.begin(self.iteration + 1)   # steps close on every rank: the same number
+            self.eager_trial = EagerTrial(self.config.tune_every, first_step=step)
+        return self.eager_trial.begin(step)
 
     def end_step(self) -> None:
         """Close the step's counters into ``history`` (after all of its work has completed); where the

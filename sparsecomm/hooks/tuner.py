@@ -97,6 +97,13 @@ class MethodTuner(Generic[M]):
         """This rank's median time per candidate of the phase (``inf`` where it has none), in ``trying`` order."""
         return [statistics.median(self._times[m]) if self._times.get(m) else float("inf") for m in self.trying]
 
+    def restart(self, start: int) -> None:
+        """Run the current exploration phase again from call ``start``, its samples so far dropped, where it has
+        begun (its calls were not all seen: a pause); a phase still ahead stays where it is."""
+        if self.phase_start < start:
+            self.phase_start = start
+            self._times = {}
+
     def settle(self, times: Sequence[float]) -> M:
         """Keep the fastest of the agreed ``times`` (the same list on every rank) and schedule the next phase."""
         if len(times) != len(self.trying):
