@@ -399,7 +399,7 @@ class PlacementTrial:
         self.moves += 1
         self.move_seconds += time.perf_counter() - start
         self.current, self._want = index, None
-        self._set_hook_mode(False if self.measuring is not None else "auto")   # a new hook starts with the defaults
+        self._set_hook_mode(False if self.measuring is not None else "auto")
         return True
 
     def report(self) -> str:

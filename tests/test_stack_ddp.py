@@ -22,6 +22,8 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
+from sparsecomm.hooks import eager_trial
+from sparsecomm.hooks.state import SparseCommState
 from sparsecomm.synthetic import zipf_ids
 
 from distributed import run_cases, run_ranks
@@ -161,6 +163,24 @@ def _accumulate(rank, world, ddp_kwargs, autocast, options=None):
     return worst
 
 
+def _short_trial(start, case):
+    """``case`` with ``eager_sparse='auto'`` (the default) trying its modes early: the hook's step ``start`` fused,
+    the next one eager, each timed once, the mode kept from the step after the next."""
+    def run(rank, world, *args):
+        saved = eager_trial.START, eager_trial.WARMUP, eager_trial.SAMPLES, SparseCommState.begin_step
+        eager_trial.START, eager_trial.WARMUP, eager_trial.SAMPLES = start, 0, 1
+        modes = []
+        SparseCommState.begin_step = lambda state: modes.append(saved[3](state)) or modes[-1]
+        try:
+            result = case(rank, world, *args)
+        finally:
+            eager_trial.START, eager_trial.WARMUP, eager_trial.SAMPLES, SparseCommState.begin_step = saved
+        assert modes[start - 1:start + 1] == [False, True], modes   # both modes ran, on every rank
+        return result
+
+    return run
+
+
 CASES = [
     ("no-sync", _accumulate, (None, False)),
     ("no-sync-bucket-view", _accumulate, ({"gradient_as_bucket_view": True}, False)),
@@ -174,6 +194,12 @@ CASES = [
     ("no-sync-eager", _accumulate, (None, False, {"eager_sparse": True})),
     ("errors-intact-eager", _errors_intact, ({"eager_sparse": True},)),
     ("errors-intact", _errors_intact, ()),
+    # Modes switching mid-run: the joined rank shadows an eager step and the agreement (hook steps 4-6); an
+    # error in a fused step, then an eager one; static graph and no_sync across a switch.
+    ("join-auto", _short_trial(4, _join), ({}, 2)),
+    ("errors-intact-auto", _short_trial(2, _errors_intact), ()),
+    ("static-graph-auto", _short_trial(2, _static_graph), ({},)),
+    ("no-sync-auto", _short_trial(2, _accumulate), (None, False)),
 ]
 
 
@@ -193,6 +219,9 @@ def test_static_graph_join_and_errors_match_plain_ddp(world):
         # Which NaN is found first (the sparse table's rows or the dense bucket) depends on the threads' timing.
         eager = res["errors-intact-eager"]
         assert len(eager) == 1 and "NaN" in eager[0], eager
+        # 'auto' switching modes mid-run, every rank alike (a joined one too): the same results and errors.
+        assert res["join-auto"] < TOL and res["static-graph-auto"] < TOL and res["no-sync-auto"] < TOL
+        assert len(res["errors-intact-auto"]) == 1 and "NaN" in res["errors-intact-auto"][0]
 
 
 def _dead_peer(rank, world):

@@ -30,10 +30,12 @@ step by step, on the same batches (noise hits all alike):
   tables table-wise, spread over the ranks, where that moves fewer bytes),
   then its placement trial (``sparsecomm.trial``) times every table
   replicated, that plan, the tables row-sharded and the plan for the first
-  step's ids on training steps and keeps the fastest. Here the trial runs to
-  its decision right after the checked step, alone, on batches of its own; ``trial_s`` is its wall time,
-  ``trial_cost`` what it cost beyond the same steps at the kept placement's
-  speed, as a share of a 1,000-step run;
+  step's ids on training steps and keeps the fastest, then its replicas'
+  hook measures its sync modes (``eager_sparse='auto'``). Here both trials
+  run to their decisions right after the checked step, alone, on batches of
+  their own; ``trial_s`` is their wall time, ``trial_cost`` what they cost
+  beyond the same steps at the kept placement's speed, as a share of a
+  1,000-step run;
 - ``parallelize_plan``: ``parallelize`` with the plan made from a sample batch
   (``sparsecomm.plan(model, batch)``: large tables sharded with owner-side
   optimizers when that is predicted faster, the rest replicated under the hook);
@@ -243,7 +245,7 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
             if step == 0 and getattr(r["opt"], "trial", None) is not None:   # checked: now run it to its decision
                 r["trial"] = _finish_trial(r, a, rows, rank)
                 r["bytes"] = _bytes_moved(method, r["model"], batches, rows, a)
-            elif step == 0 and getattr(getattr(r["model"], "_sparsecomm_state", None), "eager_sparse", None) == "auto":
+            elif step == 0 and _hook_state(r["model"]).eager_undecided:
                 r["trial"] = _finish_hook_trial(r, a, rows, rank)
             if step >= a.warmup:
                 for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
@@ -267,13 +269,15 @@ def _finish_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int],
     needed = c.warmup + (len(opt.trial.candidates) + 3) * (c.settle + c.measure) + c.settle + 2
     batches = [make_batch(a, rows, 100_000 + i, rank) for i in range(needed)]   # made before the clock starts
     start = time.perf_counter()
-    while not opt.trial.done and steps < 500:
+    while (not opt.trial.done or _hook_state(model).eager_undecided) and steps < 500:
         b = batches[steps] if steps < needed else make_batch(a, rows, 100_000 + steps, rank)
         opt.zero_grad(set_to_none=True)
         loss_of(model, b).backward()
         opt.step()
         steps += 1
-    return dict(steps=steps, seconds=time.perf_counter() - start, report=opt.trial.report(),
+    hook = _hook_state(model).eager_trial
+    report = opt.trial.report() + (f"\n# its hook's sparse syncs: {hook.reason}" if hook is not None else "")
+    return dict(steps=steps, seconds=time.perf_counter() - start, report=report,
                 kept=opt.trial.candidates[opt.trial.kept].name if opt.trial.done else "undecided")
 
 
@@ -281,10 +285,10 @@ def _finish_hook_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[
                        ) -> Dict[str, Any]:
     """Train the hook's model alone until its eager/fused trial has decided: its steps, wall time and report."""
     model, opt, steps = r["model"], r["opt"], 0
-    state = model._sparsecomm_state
+    state = _hook_state(model)
     batches = [make_batch(a, rows, 100_000 + i, rank) for i in range(40)]   # made before the clock starts
     start = time.perf_counter()
-    while (state.eager_trial is None or state.eager_trial.eager is None) and steps < len(batches):
+    while state.eager_undecided and steps < len(batches):
         opt.zero_grad(set_to_none=True)
         loss_of(model, batches[steps]).backward()
         opt.step()
@@ -293,6 +297,18 @@ def _finish_hook_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[
     kept = "undecided" if trial is None or trial.eager is None else "eager" if trial.eager else "fused"
     return dict(steps=steps, seconds=time.perf_counter() - start, kept=kept,
                 report=f"# the hook's sparse syncs: {kept}, " + (trial.reason if trial else "no trial"))
+
+
+class _NoHook:
+    eager_undecided = False
+    eager_trial = None
+
+
+def _hook_state(model: nn.Module) -> Any:
+    """The DDP hook's state of a method's model (``register``'s or ``parallelize``'s replicas'), or a stand-in."""
+    state = getattr(model, "_sparsecomm_state", None) or getattr(getattr(model, "module", model), "sparsecomm_state",
+                                                                  None)
+    return state if state is not None else _NoHook()
 
 
 def _build(method: str, model: nn.Module, a: argparse.Namespace, rows: Sequence[int], optimizer: str):

@@ -75,8 +75,8 @@ class HookConfig:
             :mod:`sparsecomm.hooks.eager_trial`): from step 2, a few steps each
             way, and every rank keeps the mode whose steps were faster on the
             slowest rank (one small all-reduce; eager by 5% at least),
-            re-measured every ``tune_every`` steps. Results are the same
-            bits either way.
+            re-measured every ``tune_every`` steps; on gloo groups only
+            (on NCCL, fused). Results are the same bits either way.
         fuse_dense: let small dense buckets ride in the step's sparse
             exchange (every rank sends its bucket to every rank, which sums
             them in rank order) instead of an allreduce of their own, where

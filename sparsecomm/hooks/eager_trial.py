@@ -94,7 +94,11 @@ class EagerTrial:
             return
         self._settle_due = False
         tried = list(self._tuner.trying)
-        agreed = max_over_ranks(self._tuner.local_times(), group, device)
+        try:
+            agreed = max_over_ranks(self._tuner.local_times(), group, device)
+        except BaseException:
+            self.pause()   # not settled: the phase runs again after the next step
+            raise
         eager = self._tuner.settle(agreed)
         times = dict(zip(tried, agreed))
         if eager and False in times and times[True] > (1 - MARGIN) * times[False]:
@@ -111,6 +115,6 @@ class EagerTrial:
         self._settle_due = False
 
     def reset_clock(self) -> None:
-        """Forget the last step's start (after unpickling: another process's clock)."""
-        self._last_open = None
-        self._settle_due = False
+        """Forget the last step's start (after unpickling: another process's clock); a phase cut there runs
+        again."""
+        self.pause()

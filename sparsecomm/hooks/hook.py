@@ -136,8 +136,12 @@ def _close(state: SparseCommState, joined: bool = False) -> None:
     """End the step (after DDP's finalize, or a joined rank's last bucket): counters, empty tables, its error."""
     step = state.step
     futures = step.take_futures()
+    failed: Optional[BaseException] = None
     if joined:  # DDP waits for the futures after the last bucket: the dense allreduces' errors must be in
-        torch.futures.wait_all(futures)
+        try:
+            torch.futures.wait_all(futures)
+        except Exception as exc:  # the step still closes and counts: step numbers stay aligned with the peers
+            failed = exc
     closed = step.close()
     if not joined:  # a joined rank's DDP assigns no gradient
         if step.claim_cleanup():
@@ -147,6 +151,8 @@ def _close(state: SparseCommState, joined: bool = False) -> None:
     state.end_step()
     if closed.error is not None:
         raise closed.error
+    if failed is not None:
+        raise failed
 
 
 def _fail(state: SparseCommState, item: PendingSync, error: BaseException) -> None:

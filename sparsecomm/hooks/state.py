@@ -424,10 +424,18 @@ class SparseCommState:
         call = self._calls[name] = self._calls.get(name, 0) + 1
         return call
 
+    @property
+    def eager_undecided(self) -> bool:
+        """Whether ``eager_sparse='auto'`` applies here and has not kept a mode yet (its first trial runs)."""
+        auto = self.config.eager_sparse == "auto" and self.world_size > 1 and self._backend == "gloo"
+        return auto and (self.eager_trial is None or self.eager_trial.eager is None)
+
     def begin_step(self) -> bool:
         """At a step's first bucket, on every rank: does this step sync each sparse bucket as it arrives?"""
         setting, step = self.config.eager_sparse, self.iteration + 1   # steps close on every rank: the same number
-        if setting != "auto" or self.world_size <= 1:
+        # 'auto' only where eager steps are safe to try: on NCCL, the worker thread's syncs would interleave with
+        # DDP's allreduces on another communicator in an order that may differ between ranks.
+        if setting != "auto" or self.world_size <= 1 or self._backend != "gloo":
             if self.eager_trial is not None:
                 self.eager_trial.pause()
             return setting is True
@@ -438,12 +446,12 @@ class SparseCommState:
     def end_step(self) -> None:
         """Close the step's counters into ``history`` (after all of its work has completed); where the
         eager/fused trial has timed its last step, agree on the mode (collective)."""
-        if self.eager_trial is not None and self.config.eager_sparse == "auto":
-            self.eager_trial.end(self.sparse_group, comm_device(self.sparse_group, self._comm_like()))
         with self._lock:
             self.history.append(dict(self.step_stats))
             self.step_stats = _Counters()
-            self.iteration += 1
+            self.iteration += 1   # first: the step numbers stay aligned across ranks even if the agreement fails
+        if self.eager_trial is not None and self.config.eager_sparse == "auto":
+            self.eager_trial.end(self.sparse_group, comm_device(self.sparse_group, self._comm_like()))
 
     def record(self, path: str, sent: int, recv: int, seconds: float) -> None:
         """Add one call's bytes and time to ``path``'s counters, total and this step's."""
