@@ -204,6 +204,7 @@ class PlacementTrial:
         # The hook's own eager/fused trial would change the replicas' steps while placements are timed: the hook
         # stays fused while this trial measures, and measures its modes once a placement is kept.
         self._hook_auto = self._hook_mode() in ("auto", None)
+        self._hook_trials: Dict[int, Any] = {}   # per candidate: its hook's sync-mode trial, kept across moves
         self._set_hook_mode(False)
 
     @property
@@ -211,13 +212,17 @@ class PlacementTrial:
         """Whether the trial has decided (re-checks may still run)."""
         return self.kept is not None
 
+    def _hook_state(self) -> Any:
+        """The replicas' DDP hook state of the placement held now (a move builds a new one), or None."""
+        return getattr(self._model_now().module, "sparsecomm_state", None)
+
     def _hook_mode(self) -> Any:
-        state = getattr(self._model_now().module, "sparsecomm_state", None)
+        state = self._hook_state()
         return state.eager_sparse if state is not None else None
 
     def _set_hook_mode(self, mode: Any) -> None:
-        """``eager_sparse`` of the replicas' hook (of the placement held now), where this trial manages it."""
-        state = getattr(self._model_now().module, "sparsecomm_state", None)
+        """``eager_sparse`` of the replicas' hook, where this trial manages it."""
+        state = self._hook_state()
         if self._hook_auto and state is not None:
             state.eager_sparse = mode
 
@@ -243,6 +248,10 @@ class PlacementTrial:
             self._move(optimizer, self._want)
             return
         if self.measuring is None:
+            state = self._hook_state()
+            if state is not None and state.sync_mode_measuring:   # the same on every rank: its steps' schedule
+                self._recent, self._since = [], 0   # its trial's steps are not the kept placement drifting
+                return
             if self._drifted(interval) or (self._next_check is not None and self.steps >= self._next_check):
                 self._recheck(optimizer)
             return
@@ -382,6 +391,9 @@ class PlacementTrial:
             return True
         model = self._model_now()
         optimizer.zero_grad(set_to_none=True)
+        before = self._hook_state()
+        if before is not None and before.eager_trial is not None:   # the sync mode measured at this placement
+            self._hook_trials[self.current] = before.eager_trial
         start = time.perf_counter()
         try:
             moved, _ = replan(model, optimizer, copy.deepcopy(self.candidates[index].plan),
@@ -399,6 +411,10 @@ class PlacementTrial:
         self.moves += 1
         self.move_seconds += time.perf_counter() - start
         self.current, self._want = index, None
+        after = self._hook_state()
+        if after is not None and index in self._hook_trials:   # back at a placement: its hook's measured mode too
+            after.eager_trial = self._hook_trials[index]
+            after.eager_trial.reset_clock()
         self._set_hook_mode(False if self.measuring is not None else "auto")
         return True
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import sparsecomm
+from sparsecomm.hooks.state import SparseCommState
 from sparsecomm.sharded.table import ShardedTable
 from sparsecomm.trial import Candidate, TrialConfig, candidates
 
@@ -180,7 +181,7 @@ def case_recheck(rank, world):
             time.sleep(slow[0])
 
     model.module.register_forward_pre_hook(stall)
-    for step in range(60):
+    for step in range(100):   # the hook times its sync modes for ~16 steps after the first decision
         # One rank becomes slow once a periodic re-check has decided (so no measuring pass absorbs the
         # slowdown into its figures): its drift must move every rank. The log is the same on every rank.
         checked = any(": re-check:" in e for e in trial.log)
@@ -246,11 +247,48 @@ def case_off(rank, world):
     return True
 
 
+def case_hook_trial(rank, world):
+    """Once a placement is kept, the replicas' hook times its sync modes (eager_sparse='auto'); its eager steps,
+    made 0.15 s slower here, are neither a drift of the kept placement nor kept themselves; training stays exact."""
+    cls, kw = OPTIMIZERS["sgd"]
+    # drift=5: a window of eager steps (~30x) is far past it, this machine's noise (~3x at worst) is not.
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2, drift=5.0,
+                                                                        sample=False), **kw)
+    trial, ref = opt.trial, Reference("sgd")
+    real = SparseCommState.begin_step
+
+    def slow_eager(state):
+        eager = real(state)
+        if eager:
+            time.sleep(0.15)
+        return eager
+
+    SparseCommState.begin_step = slow_eager
+    try:
+        step = 0
+        while step < 80 and not (trial.done and model.module.sparsecomm_state.eager_trial is not None
+                                 and model.module.sparsecomm_state.eager_trial.eager is not None):
+            step_of(model, opt, step, rank, world)
+            ref.step(step)
+            step += 1
+        for extra in range(step, step + 10):   # a drift window after the hook's trial
+            step_of(model, opt, extra, rank, world)
+            ref.step(extra)
+    finally:
+        SparseCommState.begin_step = real
+    state = model.module.sparsecomm_state
+    assert_same(model, ref.model, f"after the hook's trial, world {world}")
+    assert trial.done and state.eager_trial.eager is False, (trial.report(), state.eager_trial.reason)
+    assert not any("re-check" in e for e in trial.log), trial.report()
+    return True
+
+
 WHOLE = TrialConfig(warmup=1, settle=1, measure=2, drift=0, stale_replicas=False)   # moves send whole tables
 CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [("trial-whole-adam", case_trial, ("adam", WHOLE)),("pending", case_pending, ()),
                                                                     ("recheck", case_recheck, ()),
                                                                     ("confirm", case_confirm, ()),
-                                                                    ("off", case_off, ())]
+                                                                    ("off", case_off, ()),
+                                                                    ("hook-trial", case_hook_trial, ())]
 
 
 spawned = spawned_fixture(CASES)   # worlds 2 and 3, every case in one spawn each

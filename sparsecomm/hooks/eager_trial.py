@@ -108,6 +108,11 @@ class EagerTrial:
         logger.info("sparsecomm: sparse syncs %s: %s", "per bucket (eager)" if eager else "fused per step",
                     self.reason)
 
+    def measuring(self, step: int) -> bool:
+        """Whether steps around ``step`` run in a mode under test (not yet decided, a phase, or its settling)."""
+        t = self._tuner
+        return t.best is None or self._settle_due or t.exploring(step) or t.exploring(step - 1)
+
     def pause(self) -> None:
         """A step runs in a mode set from outside (``eager_sparse`` not ``'auto'`` for now): not timed here."""
         self._paused = True

@@ -430,6 +430,13 @@ class SparseCommState:
         auto = self.config.eager_sparse == "auto" and self.world_size > 1 and self._backend == "gloo"
         return auto and (self.eager_trial is None or self.eager_trial.eager is None)
 
+    @property
+    def sync_mode_measuring(self) -> bool:
+        """Whether ``eager_sparse='auto'`` is timing its modes around now (steps slower or faster than usual)."""
+        if self.config.eager_sparse != "auto" or self.world_size <= 1 or self._backend != "gloo":
+            return False
+        return self.eager_trial is None or self.eager_trial.measuring(self.iteration + 1)
+
     def begin_step(self) -> bool:
         """At a step's first bucket, on every rank: does this step sync each sparse bucket as it arrives?"""
         setting, step = self.config.eager_sparse, self.iteration + 1   # steps close on every rank: the same number
