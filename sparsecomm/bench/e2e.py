@@ -4,7 +4,8 @@ The model: ``--tables`` EmbeddingBags (default four: 1M, 300k, 50k and 10k
 rows x ``--dim``, sum-pooled bags of Zipf(``--alpha``) ids), 16 dense
 features through a bottom MLP, everything concatenated into a top MLP, BCE
 loss. Every rank holds one replica per method and trains them alternately,
-step by step, on the same batches (noise hits all alike):
+step by step, on the same batches (noise hits all alike; each step starts
+from the next method in turn, so none always follows plain DDP's transfer):
 
 - ``ddp``: plain DDP, ``sparse=True`` tables (gloo's sparse allreduce);
 - ``register``: the same under ``sparsecomm.register`` (the hook) as a user
@@ -226,7 +227,11 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
     wrong: Dict[str, int] = {}
     for step in range(a.warmup + a.steps):
         b = make_batch(a, rows, step, rank)
-        for method, r in runs.items():
+        # Each step starts from the next method: a method stepping right after plain DDP would always find the
+        # link still draining DDP's bytes (a tbf queue at 1 Gbit/s), a bias the rotation spreads over all.
+        names = list(runs)
+        for method in names[step % len(names):] + names[:step % len(names)]:
+            r = runs[method]
             dist.barrier()
             t0 = time.perf_counter()
             r["opt"].zero_grad(set_to_none=True)
