@@ -414,7 +414,7 @@ class PlacementTrial:
         after = self._hook_state()
         if after is not None and index in self._hook_trials:   # back at a placement: its hook's measured mode too
             after.eager_trial = self._hook_trials[index]
-            after.eager_trial.reset_clock()
+            after.eager_trial.pause()
         self._set_hook_mode(False if self.measuring is not None else "auto")
         return True
 

@@ -18,8 +18,8 @@ whole steps in each mode and keeps the faster one, the same on every rank:
   ranks agree on the slowest rank's median per mode (one small all-reduce on
   the hook's group, under its timeout) and keep the faster mode; eager must
   be :data:`MARGIN` faster (on a 2-core machine two runs of one mode differ
-  by about that), else fused stays. Both are measured again every ``HookConfig.tune_every``
-  steps.
+  by about that), else fused stays. Both are measured again every
+  ``HookConfig.tune_every`` steps.
 
 A mode set by someone else for a while (``parallelize``'s placement trial
 holds the hook fused while it times placements) pauses the trial: a phase
@@ -114,12 +114,8 @@ class EagerTrial:
         return t.best is None or self._settle_due or t.exploring(step) or t.exploring(step - 1)
 
     def pause(self) -> None:
-        """A step runs in a mode set from outside (``eager_sparse`` not ``'auto'`` for now): not timed here."""
+        """The next steps are not this trial's to time (a mode set from outside, another process's clock after
+        unpickling, a move to another placement): the phase they cut runs again."""
         self._paused = True
         self._last_open = None
         self._settle_due = False
-
-    def reset_clock(self) -> None:
-        """Forget the last step's start (after unpickling: another process's clock); a phase cut there runs
-        again."""
-        self.pause()

@@ -312,7 +312,7 @@ class SparseCommState:
         self._init_runtime()
         self.eager_trial = state.get("eager_trial")  # absent from states pickled before it existed
         if self.eager_trial is not None:
-            self.eager_trial.reset_clock()
+            self.eager_trial.pause()   # its clock was another process's: a phase cut here runs again
 
     # ------------------------------------------------------------- decisions
 
@@ -373,7 +373,7 @@ class SparseCommState:
     def _settle(self, name: str, tuner: MethodTuner, s: SparseSyncStats) -> None:
         """End an exploration phase: every rank's median per candidate, the slowest rank's counts (collective)."""
         group = self.sparse_group
-        agreed = max_over_ranks(tuner.local_times(), group, comm_device(group, self._comm_like()))  # group timeout
+        agreed = max_over_ranks(tuner.local_times(), group, self._agreement_device())  # under the group's timeout
         tried = list(tuner.trying)
         best = tuner.settle(agreed)
         previous = self.decisions.get(name)
@@ -384,11 +384,11 @@ class SparseCommState:
         if previous is None or previous.method != best:
             logger.info("sparsecomm: %s -> %s path: %s", name, best.value, reason)
 
-    def _comm_like(self) -> torch.device:
-        """A device of this rank's kind for a small agreement collective (CUDA for NCCL groups)."""
-        if self._backend != "gloo" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+    def _agreement_device(self) -> torch.device:
+        """Where a small agreement collective on the hook's group runs (a CUDA device for NCCL groups)."""
+        like = torch.device("cuda", torch.cuda.current_device()) if self._backend != "gloo" and \
+            torch.cuda.is_available() else torch.device("cpu")
+        return comm_device(self.sparse_group, like)
 
     def fuses_dense(self, buffer: torch.Tensor) -> bool:
         """Should this dense bucket ride in the step's sparse exchange? (Same answer on every rank.)"""
@@ -425,27 +425,30 @@ class SparseCommState:
         return call
 
     @property
+    def _measures_sync_mode(self) -> bool:
+        """Whether ``eager_sparse='auto'`` applies: only where eager steps are safe to try. On NCCL the worker
+        thread's syncs would interleave with DDP's allreduces on another communicator in an order that may differ
+        between ranks; at world size 1 there is nothing to sync."""
+        return self.config.eager_sparse == "auto" and self.world_size > 1 and self._backend == "gloo"
+
+    @property
     def eager_undecided(self) -> bool:
         """Whether ``eager_sparse='auto'`` applies here and has not kept a mode yet (its first trial runs)."""
-        auto = self.config.eager_sparse == "auto" and self.world_size > 1 and self._backend == "gloo"
-        return auto and (self.eager_trial is None or self.eager_trial.eager is None)
+        return self._measures_sync_mode and (self.eager_trial is None or self.eager_trial.eager is None)
 
     @property
     def sync_mode_measuring(self) -> bool:
         """Whether ``eager_sparse='auto'`` is timing its modes around now (steps slower or faster than usual)."""
-        if self.config.eager_sparse != "auto" or self.world_size <= 1 or self._backend != "gloo":
-            return False
-        return self.eager_trial is None or self.eager_trial.measuring(self.iteration + 1)
+        return self._measures_sync_mode and (self.eager_trial is None or
+                                             self.eager_trial.measuring(self.iteration + 1))
 
     def begin_step(self) -> bool:
         """At a step's first bucket, on every rank: does this step sync each sparse bucket as it arrives?"""
-        setting, step = self.config.eager_sparse, self.iteration + 1   # steps close on every rank: the same number
-        # 'auto' only where eager steps are safe to try: on NCCL, the worker thread's syncs would interleave with
-        # DDP's allreduces on another communicator in an order that may differ between ranks.
-        if setting != "auto" or self.world_size <= 1 or self._backend != "gloo":
+        step = self.iteration + 1   # steps close on every rank: the same number
+        if not self._measures_sync_mode:
             if self.eager_trial is not None:
                 self.eager_trial.pause()
-            return setting is True
+            return self.config.eager_sparse is True
         if self.eager_trial is None:
             self.eager_trial = EagerTrial(self.config.tune_every, first_step=step)
         return self.eager_trial.begin(step)
@@ -457,8 +460,8 @@ class SparseCommState:
             self.history.append(dict(self.step_stats))
             self.step_stats = _Counters()
             self.iteration += 1   # first: the step numbers stay aligned across ranks even if the agreement fails
-        if self.eager_trial is not None and self.config.eager_sparse == "auto":
-            self.eager_trial.end(self.sparse_group, comm_device(self.sparse_group, self._comm_like()))
+        if self.eager_trial is not None and self._measures_sync_mode:
+            self.eager_trial.end(self.sparse_group, self._agreement_device())
 
     def record(self, path: str, sent: int, recv: int, seconds: float) -> None:
         """Add one call's bytes and time to ``path``'s counters, total and this step's."""
