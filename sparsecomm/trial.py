@@ -251,6 +251,8 @@ class PlacementTrial:
             state = self._hook_state()
             if state is not None and state.sync_mode_measuring:   # the same on every rank: its steps' schedule
                 self._recent, self._since = [], 0   # its trial's steps are not the kept placement drifting
+                if self._next_check is not None:    # nor steps of the kept placement to re-check after
+                    self._next_check += 1
                 return
             if self._drifted(interval) or (self._next_check is not None and self.steps >= self._next_check):
                 self._recheck(optimizer)

@@ -181,11 +181,17 @@ def case_recheck(rank, world):
             time.sleep(slow[0])
 
     model.module.register_forward_pre_hook(stall)
-    for step in range(100):   # the hook times its sync modes for ~16 steps after the first decision
-        # One rank becomes slow once a periodic re-check has decided (so no measuring pass absorbs the
-        # slowdown into its figures): its drift must move every rank. The log is the same on every rank.
-        checked = any(": re-check:" in e for e in trial.log)
-        if checked and not slow and trial.measuring is None and rank == world - 1:
+    decided = 0
+    for step in range(100):   # the hook times its sync modes for ~16 steps after a move to a new placement
+        # One rank becomes slow right after a periodic re-check has decided (so no measuring pass absorbs the
+        # slowdown into its figures, and a drift window fills before the next periodic check): its drift must
+        # move every rank. Not while the hook times its sync modes, which holds the checks back. The log is the
+        # same on every rank.
+        now = sum(": re-check:" in e for e in trial.log)
+        just_decided, decided = now > decided, now
+        hook = model.module.sparsecomm_state
+        if just_decided and not slow and trial.measuring is None and not hook.sync_mode_measuring \
+                and rank == world - 1:
             slow.append(0.2)
         step_of(model, opt, step, rank, world)
         ref.step(step)
