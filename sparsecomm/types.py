@@ -25,6 +25,7 @@ class SyncMethod(str, enum.Enum):
     DENSIFY = "densify"          # scatter into the dense table and allreduce it (+ a row mask)
     TORCH = "torch"              # the backend's own sparse all_reduce (gloo), then coalesced
     TREE = "tree"                # recursive doubling, merging rows at each of log2 N stages (SparCML)
+    RUNS = "runs"                # an allgather sending each run of equal consecutive rows once (pooled bags)
 
 
 class WireStatus(enum.IntEnum):
@@ -82,6 +83,9 @@ class SparseSyncStats:
     rows_local_sum: int = 0   # k summed over all ranks (same on every rank)
     rows_local_max: int = 0   # largest k of any rank
     rows_out: int = 0         # union of all ranks' rows (U)
+    rows_in_sum: int = 0      # rows_in summed over all ranks (n; same on every rank)
+    runs_local: int = 0       # runs of equal consecutive input rows (m; see collectives/methods/runs.py)
+    runs_local_sum: int = 0   # m summed over all ranks (same on every rank)
     row_bytes: int = 0        # bytes of one value row
     index_bytes: int = 0      # bytes of one id on the wire
     bytes_sent: int = 0
@@ -103,7 +107,8 @@ class SparseSyncStats:
 
     def merge(self, other: "SparseSyncStats") -> None:
         """Accumulate another call's counters into this one (e.g. per step)."""
-        for name in ("rows_in", "rows_local", "rows_local_sum", "rows_out", "bytes_sent", "bytes_recv",
+        for name in ("rows_in", "rows_local", "rows_local_sum", "rows_out", "rows_in_sum", "runs_local",
+                     "runs_local_sum", "bytes_sent", "bytes_recv",
                      "bytes_sent_inter_node", "bytes_recv_inter_node", "bytes_copied", "row_lookups",
                      "pooled_lookups"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import sparsecomm
+from sparsecomm.collectives import sync_wire
 from sparsecomm.cost_model import partitioned_floor_bytes
 from sparsecomm.synthetic import zipf_ids
 from sparsecomm.types import SparseSyncStats
@@ -146,9 +147,9 @@ def test_bytes_on_the_wire_match_the_floor(world):
     results = run_ranks(world, _bytes_worker)
     for sent, recv, row_bytes, index_bytes, union in results.values():
         payload = partitioned_floor_bytes(world, union, union, row_bytes + index_bytes)
-        # Metadata: one all-to-all of 19 + N int64 (header, k, the sender's push counts to every rank),
+        # Metadata: one all-to-all of 21 + N int64 (header, k, n, m, the sender's push counts to every rank),
         # one pull-count all-to-all.
-        overhead = (world - 1) * 8 * (19 + world + 1)
+        overhead = (world - 1) * 8 * (sync_wire.RECORD_FIXED + world + 1)
         assert sent == recv == payload + overhead
         assert index_bytes == 2  # 6N rows fit int16 ids
 
@@ -278,7 +279,6 @@ def test_allgather_with_capacity_is_one_collective_and_falls_back_when_rows_over
 def _malicious_worker(rank, world, attack):
     """Rank 1 corrupts what it tells its peers; every rank must raise ValueError, nothing crashes."""
     import sparsecomm.collectives.sync_plan as sparse_mod
-    from sparsecomm.collectives import sync_wire
     from sparsecomm.collectives import shm
 
     t = torch.sparse_coo_tensor(torch.arange(12)[None] * (rank + 1), torch.ones(12, 4), (100, 4))

@@ -23,11 +23,11 @@ def _plan(world: int, rank: int = 0) -> SyncPlan:
 def _rows(k: int, shape=(50, 3), method=SyncMethod.PARTITIONED) -> TensorRows:
     t = torch.sparse_coo_tensor(torch.arange(k)[None], torch.ones(k, shape[1]), shape, check_invariants=False)
     return TensorRows(t, methods.path_for(method), SparseSyncStats(), (shape[0],), shape[0], torch.int16,
-                      torch.arange(k), torch.ones(k, shape[1]))
+                      torch.arange(k), torch.ones(k, shape[1]), input_rows=k, runs_count=min(k, 1))
 
 
 def _documented_words_per_tensor(world: int) -> int:
-    # "a rank's message for T tensors is ``T * (19 + N)`` int64"
+    # "a rank's message for T tensors is ``T * (21 + N)`` int64"
     m = re.search(r"message for T tensors is ``T \* \((\d+) \+ N\)``", sync_wire.__doc__)
     assert m, "the module docstring must state the message size"
     return int(m.group(1)) + world
@@ -75,6 +75,6 @@ def test_check_refuses_what_a_lying_peer_sends_on_every_rank():
     other.part = t.part
     with pytest.raises(ValueError, match="ranks disagree on the tensor"):
         sync_wire.check([good, sync_wire.decode(sync_wire.encode(other, plan, [2, 2]))], t, plan)
-    not_in_call = sync_wire.Record((0,) * sync_wire.HEADER_WORDS, 0, 0, (0, 0))
+    not_in_call = sync_wire.Record((0,) * sync_wire.HEADER_WORDS, 0, 0, 0, 0, (0, 0))
     with pytest.raises(ValueError, match="rank 1 is not in a sparse_allreduce call"):
         sync_wire.check([good, not_in_call], t, plan)

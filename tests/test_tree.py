@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
+from sparsecomm.collectives import sync_wire
 from sparsecomm.collectives.methods.tree import tree_bytes, tree_schedule
 from sparsecomm.cost_model import allgather_bytes
 from sparsecomm.types import SparseSyncStats
@@ -107,8 +108,8 @@ def test_tree_bytes_match_the_formula(world):
     p, _ = tree_schedule(world)
     for rank, (sent, row, num_rows) in results.items():
         k = num_rows // world
-        # Metadata (19 + N int64 per peer), per-stage counts and the verdict round ride on top of the rows.
-        overhead = 8 * (19 + world) * (world - 1) + 8 * (world - 1) + 8 * 4
+        # Metadata (21 + N int64 per peer), per-stage counts and the verdict round ride on top of the rows.
+        overhead = 8 * (sync_wire.RECORD_FIXED + world) * (world - 1) + 8 * (world - 1) + 8 * 4
         if rank < p and world == p:
             payload = tree_bytes(world, k, num_rows, row)
             assert payload == allgather_bytes(world, k, row)

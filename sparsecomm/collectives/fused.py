@@ -55,17 +55,26 @@ def fused_exchange(tensors: List[TensorRows], peers: List[Peers], plan: SyncPlan
         Per tensor, ``(ids, values)``: sorted unique ids and their sums in the
         tensor's dtype and device.
     """
-    pushes = [t.path.push(t, p, plan) for t, p in zip(tensors, peers)]
-    # Not strict: a bad id from a peer comes back as an empty block, handled below.
-    reduce = [Reduce(t.num_rows, t.ids.dtype, accumulate=t.sum_dtype != t.values.dtype, strict=False)
-              for t in tensors]
-    received = _exchange(pushes, reduce, tensors, plan)
+    parts: List[FusedPush] = []
+    of: List[int] = []   # the tensor each part belongs to
+    for i, (t, p) in enumerate(zip(tensors, peers)):
+        for part in t.path.push(t, p, plan):
+            parts.append(part)
+            of.append(i)
+    # Not strict: a bad id from a peer comes back as an empty block, handled below. A path with its own
+    # merge gets its received rows as they are.
+    reduce = [_reduce(tensors[i]) for i in of]
+    received: List[List[List[torch.Tensor]]] = [[] for _ in tensors]
+    for i, got in zip(of, _exchange(parts, reduce, [tensors[i] for i in of], plan)):
+        received[i].append(got)
     out: List[Optional[Result]] = [None] * len(tensors)
     owned, owned_idx, errors = [], [], []
     for i, (t, got) in enumerate(zip(tensors, received)):
         err = WireStatus.OK
-        if got:
-            ids, sums = got
+        if t.path.merge is not None:  # every rank received the same rows: it raises on every rank, or none
+            ids, sums = t.path.merge(t, got, peers[i], plan)
+        elif got[0]:
+            ids, sums = got[0]
         elif not t.path.pulls:  # every rank received the same rows: every rank raises
             raise ValueError(f"sparse_allreduce: a peer sent row ids outside [0, {t.num_rows}) "
                              f"(inconsistent data between ranks)")
@@ -84,6 +93,13 @@ def fused_exchange(tensors: List[TensorRows], peers: List[Peers], plan: SyncPlan
         for i, res in zip(owned_idx, pulled):
             out[i] = res
     return out
+
+
+def _reduce(t: TensorRows) -> Optional[Reduce]:
+    """How the exchange sums a tensor's received rows: not at all when its path merges them itself."""
+    if t.path.merge is not None:
+        return None
+    return Reduce(t.num_rows, t.ids.dtype, accumulate=t.sum_dtype != t.values.dtype, strict=False)
 
 
 def finish_sums(t: TensorRows, ids: torch.Tensor, sums: torch.Tensor, plan: SyncPlan, final: bool = True

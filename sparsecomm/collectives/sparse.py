@@ -92,8 +92,12 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
             ``all_reduce``, gloo only, then coalesced) or ``"tree"``
             (recursive doubling, merging rows at each of log2 N stages:
             fewest bytes when ranks' rows barely overlap, most so between
-            hosts; 2 + 2 log2 N messages). All give the same
-            rows and, up to floating-point summation order, the same sums.
+            hosts; 2 + 2 log2 N messages) or ``"runs"`` (an allgather of
+            the input as it is, each run of equal consecutive rows sent once
+            with its length: a sum-pooled ``EmbeddingBag``'s gradient, whose
+            bags repeat one row per id, in fewer bytes than coalesced rows).
+            All give the same rows and, up to floating-point summation
+            order, the same sums.
         nonfinite: ``"raise"`` (default): any NaN/Inf in any rank's values
             raises ``ValueError`` on every rank before the exchange (checked
             with one sum over the coalesced rows, exactly only when that sum
@@ -102,7 +106,7 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
         stats: a :class:`SparseSyncStats` to fill (bytes, rows, phase times).
         compression: None (default: exact) or ``"bf16"`` / ``"fp16"``: the
             value rows travel in that dtype (half the bytes of float32) on
-            the partitioned, allgather, two-level and tree paths; owners (and
+            the partitioned, allgather, runs, two-level and tree paths; owners (and
             the tree's merges) sum them in float32 and round the sums once to
             the wire dtype for the way back; the result has the input's dtype.
             Every element is then within ``2 u sum_i |x_i|`` of the exact sum
@@ -238,6 +242,7 @@ def _sync(tensors: List[torch.Tensor], paths: List[SyncPath], plan: SyncPlan, st
         peers = exchange_meta(rows, plan) if rows else []
     for t, p in zip(rows, peers):
         t.stats.rows_local_sum, t.stats.rows_local_max = sum(p.k), max(p.k)
+        t.stats.rows_in_sum, t.stats.runs_local_sum = sum(p.ids), sum(p.runs)
     t2 = clock()
     fused = [i for i, t in enumerate(rows) if t.fused]
     if fused and one is None:

@@ -157,6 +157,15 @@ class TensorRows:
     values: torch.Tensor
     status: WireStatus = WireStatus.OK
     part: Optional[ops.Partition] = None
+    input_rows: int = 0                          # n: rows of the input (ids before coalescing)
+    runs_count: int = 0                          # m: runs of equal consecutive input rows
+    distinct: Optional[int] = None               # k when ``ids`` are not coalesced (the runs path)
+    run_lengths: Optional[torch.Tensor] = None   # the runs path: ids per run (``values`` holds one row per run)
+
+    @property
+    def rows_k(self) -> int:
+        """k: this rank's distinct rows."""
+        return self.ids.shape[0] if self.distinct is None else self.distinct
 
     @property
     def method(self) -> SyncMethod:
@@ -185,6 +194,8 @@ class Peers:
 
     k: List[int]                 # rows each rank holds after coalescing
     push: List[List[int]]        # push[i][j]: rows rank i sends to owner j (flat partitioned)
+    ids: List[int] = field(default_factory=list)   # input rows of each rank (n)
+    runs: List[int] = field(default_factory=list)  # runs of equal consecutive input rows of each rank (m)
 
 
 def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncStats) -> TensorRows:
@@ -199,11 +210,16 @@ def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncSt
     stats.row_bytes = math.prod(values.shape[1:]) * values.element_size()
     stats.index_bytes = rows.wire_ids.itemsize
     stats.hierarchical = rows.hierarchical
+    rows.input_rows = indices.shape[1]
     # Bad input is found locally but reported through the metadata exchange,
     # so every rank raises together instead of the others hanging.
-    if len(sparse_shape) > 1 and not _indices_in_range(indices, sparse_shape):
+    if (len(sparse_shape) > 1 or path.runs) and not _indices_in_range(indices, sparse_shape):
         rows.status = WireStatus.ID_RANGE
+    elif path.runs:  # one row per run of equal rows, its ids as they are (methods/runs.py)
+        rows.values, rows.run_lengths = _runs(values)
+        rows.runs_count, rows.distinct = rows.run_lengths.shape[0], int(torch.unique(rows.ids).numel())
     else:
+        rows.runs_count = _first_value_runs(values)  # to price the runs path (at most its runs)
         try:
             # The kernel checks [0, num_rows) in its pass over the ids: no extra scan, no host sync.
             rows.ids, rows.values = ops.coalesce_rows(rows.ids, values, num_rows)
@@ -213,16 +229,52 @@ def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncSt
         rows.status = WireStatus.NONFINITE
     if rows.status != WireStatus.OK:
         rows.ids, rows.values = rows.ids[:0], values[:0]
+        rows.input_rows, rows.runs_count, rows.distinct = 0, 0, None
+        rows.run_lengths = None if rows.run_lengths is None else rows.run_lengths[:0]
     if plan.wire_dtype is not None and path.compresses and rows.values.dtype != plan.wire_dtype:
         # Rounded once here; the owners (or merges) sum in float32 and round once more for the way back.
         rows.values = rows.values.to(plan.wire_dtype)
-    stats.rows_local = rows.ids.shape[0]
+    stats.rows_local, stats.runs_local = rows.rows_k, rows.runs_count
     if path.partitions:
         # Ids, counts and perm only: the push packs the value rows through perm straight into the send
         # buffer (exchange.Gathered), so permuted rows are never written anywhere else.
         rows.part = ops.partition_rows(rows.ids, None, plan.world_size, plan.scheme, num_rows,
                                        range_size=plan.range_size(num_rows))
     return rows
+
+
+def _row_words(values: torch.Tensor) -> torch.Tensor:
+    """``(n, w)`` integer words holding each row's bytes (the widest integer dtype that divides a row)."""
+    flat = values.reshape(values.shape[0], -1)
+    nbytes = flat.shape[1] * flat.element_size()
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if nbytes % dtype.itemsize == 0 and dtype.itemsize >= flat.element_size():
+            return flat.view(dtype)
+    return flat.view(torch.uint8)
+
+
+def _runs(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One row per run of bitwise-equal consecutive rows, and each run's length (int32).
+
+    Bitwise, not ``==``: -0.0 and 0.0, or two NaNs, stay apart, so expanding the runs gives back the rows.
+    """
+    n = values.shape[0]
+    starts = torch.ones(n, dtype=torch.bool, device=values.device)
+    if n > 1:
+        words = _row_words(values)
+        starts[1:] = torch.ne(words[1:], words[:-1]).any(1)
+    first = starts.nonzero().view(-1)
+    ends = torch.cat([first[1:], first.new_tensor([n])])
+    return values.index_select(0, first), (ends - first).to(torch.int32)
+
+
+def _first_value_runs(values: torch.Tensor) -> int:
+    """Runs of consecutive rows whose first values are bitwise equal: at most the runs, cheap to count."""
+    n = values.shape[0]
+    if n < 2 or values[0].numel() == 0:
+        return min(n, 1)
+    first = _row_words(values.reshape(n, -1)[:, :1].contiguous())[:, 0]
+    return 1 + int(torch.ne(first[1:], first[:-1]).sum())
 
 
 def _indices_in_range(indices: torch.Tensor, sparse_shape: Sequence[int]) -> bool:

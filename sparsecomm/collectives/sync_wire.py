@@ -2,7 +2,7 @@
 
 Every rank sends every peer the same message: for each tensor of the call,
 one record of ``RECORD_FIXED + N`` int64 (N: the group's size), so a rank's
-message for T tensors is ``T * (19 + N)`` int64:
+message for T tensors is ``T * (21 + N)`` int64:
 
 ====================  ============================================================
 ``[0]``               magic (``MAGIC``): a peer not in a ``sparse_allreduce`` call
@@ -16,7 +16,10 @@ message for T tensors is ``T * (19 + N)`` int64:
 ``[16]``              method (index in ``SyncMethod``)
 ``[17]``              status (``WireStatus``) of this rank's own rows
 ``[18]``              k: this rank's rows after coalescing
-``[19:19 + N]``       push counts: rows this rank sends each owner (partitioned; else 0)
+``[19]``              n: this rank's input rows (ids before coalescing)
+``[20]``              m: runs of equal consecutive input rows (``methods/runs.py``; what the
+                      runs path sends; elsewhere counted on each row's first value, to price it)
+``[21:21 + N]``       push counts: rows this rank sends each owner (partitioned; else 0)
 ====================  ============================================================
 
 Words ``[0:17]`` (the header) must be equal on every rank. :func:`encode`
@@ -40,13 +43,14 @@ from sparsecomm.collectives.transport import all_to_all
 from sparsecomm.ownership import describe_code, scheme_code
 from sparsecomm.types import ReduceOp, SyncMethod, WireStatus
 
-__all__ = ["MAGIC", "HEADER_WORDS", "STATUS_WORD", "K_WORD", "PUSH_WORD", "RECORD_FIXED", "record_width", "Record", "encode", "decode", "describe",
+__all__ = ["MAGIC", "HEADER_WORDS", "STATUS_WORD", "K_WORD", "IDS_WORD", "RUNS_WORD", "PUSH_WORD", "RECORD_FIXED", "record_width", "Record", "encode", "decode", "describe",
            "check", "check_all", "message", "exchange_meta"]
 
 MAGIC = 0x5C0DE
 _MAX_DIMS = 8
 HEADER_WORDS = 17                  # magic .. method: equal on every rank
-STATUS_WORD, K_WORD, PUSH_WORD = 17, 18, 19
+STATUS_WORD, K_WORD, IDS_WORD, RUNS_WORD, PUSH_WORD = 17, 18, 19, 20, 21
+MAX_IDS = 2**31 - 1                # most input rows a rank may announce (run lengths travel as int32)
 RECORD_FIXED = PUSH_WORD           # then one push count per rank
 _WIRE_STEP = 16                    # the dtype word: own dtype + 16 (1 + wire dtype) when compressed
 
@@ -63,6 +67,8 @@ class Record:
     header: Tuple[int, ...]
     status: int
     k: int
+    ids: int
+    runs: int
     push: Tuple[int, ...]
 
     @property
@@ -96,12 +102,13 @@ def _describe_dtype(word: int) -> str:
 
 def encode(t: TensorRows, plan: SyncPlan, push: Sequence[int]) -> List[int]:
     """This rank's record for one tensor (``push``: its count per owner, or zeros)."""
-    return _header(t, plan) + [int(t.status), t.ids.shape[0], *push]
+    return _header(t, plan) + [int(t.status), t.rows_k, t.input_rows, t.runs_count, *push]
 
 
 def decode(words: Sequence[int]) -> Record:
     """A record as received (nothing is checked here: see :func:`check`)."""
-    return Record(tuple(words[:HEADER_WORDS]), words[STATUS_WORD], words[K_WORD], tuple(words[PUSH_WORD:]))
+    return Record(tuple(words[:HEADER_WORDS]), words[STATUS_WORD], words[K_WORD], words[IDS_WORD], words[RUNS_WORD],
+                  tuple(words[PUSH_WORD:]))
 
 
 def describe(header: Sequence[int]) -> str:
@@ -152,14 +159,16 @@ def check(records: List[Record], t: TensorRows, plan: SyncPlan) -> Peers:
     k = [rec.k for rec in records]
     push = [list(rec.push) for rec in records]
     for r, rec in enumerate(records):
-        bad = not 0 <= k[r] <= num_rows or rec.status != WireStatus.OK
+        # k distinct rows of n input rows in m runs: 0 <= k <= min(n, V), m <= n, none of them without the others.
+        bad = not 0 <= k[r] <= min(num_rows, rec.ids) or rec.ids > MAX_IDS or rec.status != WireStatus.OK
+        bad = bad or not 0 <= rec.runs <= rec.ids or (rec.ids > 0) != (rec.runs > 0) or (rec.ids > 0) != (k[r] > 0)
         if t.part is not None:
             bad = bad or min(push[r]) < 0 or sum(push[r]) != k[r]
         if bad:
-            raise ValueError(f"sparse_allreduce: rank {r} sent inconsistent row counts (k={k[r]}, per owner "
-                             f"{push[r] if t.part is not None else '-'}, table of {num_rows} rows): a bug or a "
-                             f"version mismatch between ranks; nothing was exchanged")
-    return Peers(k, push)
+            raise ValueError(f"sparse_allreduce: rank {r} sent inconsistent row counts (k={k[r]}, n={rec.ids}, "
+                             f"m={rec.runs}, per owner {push[r] if t.part is not None else '-'}, table of "
+                             f"{num_rows} rows): a bug or a version mismatch between ranks; nothing was exchanged")
+    return Peers(k, push, [rec.ids for rec in records], [rec.runs for rec in records])
 
 
 def check_all(words: Sequence[Sequence[int]], tensors: List[TensorRows], plan: SyncPlan) -> List[Peers]:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from sparsecomm.collectives.methods import allgather, densify, partitioned, torch_sparse, tree, two_level
-from sparsecomm.collectives.methods.base import Latencies, SyncPath, Workload, exchange_latency
+from sparsecomm.collectives.methods import allgather, densify, partitioned, runs, torch_sparse, tree, two_level
+from sparsecomm.collectives.methods.base import InputRuns, Latencies, SyncPath, Workload, exchange_latency
 from sparsecomm.types import SyncMethod
 
-__all__ = ["PATHS", "SyncPath", "Workload", "Latencies", "exchange_latency", "path_for", "by_name",
+__all__ = ["PATHS", "SyncPath", "Workload", "InputRuns", "Latencies", "exchange_latency", "path_for", "by_name",
            "flat_paths"]
 
 # In SyncMethod's order (ties in a price go to the earlier one), hierarchical variants after.
@@ -26,6 +26,7 @@ PATHS = (
     densify.PATH,
     torch_sparse.PATH,
     tree.PATH,
+    runs.PATH,
     two_level.PATH,
 )
 

@@ -42,9 +42,9 @@ def host_bytes(w: Workload, hosts: int, lws: int, union_node: float) -> float:
     return lws * (n - lws) * w.rows_mean * w.row_bytes
 
 
-def _push(t: TensorRows, p: Peers, plan: SyncPlan) -> FusedPush:
+def _push(t: TensorRows, p: Peers, plan: SyncPlan) -> List[FusedPush]:
     n, me = plan.world_size, plan.rank
-    return FusedPush([Gathered(t.ids, None, t.wire_ids), t.values], [p.k[me]] * n, list(p.k), repeat=True)
+    return [FusedPush([Gathered(t.ids, None, t.wire_ids), t.values], [p.k[me]] * n, list(p.k), repeat=True)]
 
 
 def with_metadata(tensors: List[TensorRows], plan: SyncPlan

@@ -22,7 +22,20 @@ import torch
 from sparsecomm.cost_model import host_layout, union_rows
 from sparsecomm.types import SyncMethod
 
-__all__ = ["Workload", "Latencies", "SyncPath", "exchange_latency"]
+__all__ = ["InputRuns", "Workload", "Latencies", "SyncPath", "exchange_latency"]
+
+
+@dataclass(frozen=True)
+class InputRuns:
+    """What the runs path would send (``methods/runs.py``), per rank on average over the ranks.
+
+    Attributes:
+        ids_mean: n, input rows (ids before coalescing).
+        runs_mean: m, runs of equal consecutive input rows (one value row each on the wire).
+    """
+
+    ids_mean: float
+    runs_mean: float
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,7 @@ class Workload:
         union_node: rows in the union of one host's ranks (default:
             interpolated from k and U, :func:`~sparsecomm.cost_model.union_rows`).
         local_aggregation: the partitioned path sums inside a host first when L > 1.
+        runs: the input's ids and runs per rank (None: not known, the runs path is not priced).
     """
 
     world_size: int
@@ -53,6 +67,7 @@ class Workload:
     ranks_per_host: int = 1
     union_node: Optional[float] = None
     local_aggregation: bool = True
+    runs: Optional[InputRuns] = None
 
     @property
     def lws(self) -> int:
@@ -127,9 +142,15 @@ class SyncPath:
         compresses: with ``compression=``, its value rows travel in the
             compressed dtype (it sums them in float32 at an owner or a merge);
             a path that does not keeps the tensor's dtype on the wire.
+        runs: the call keeps this path's input rows as they are (ids not
+            coalesced) and one value row per run of equal consecutive rows.
         run: ``run(rows, peers, plan) -> (ids, values)`` for a path taken one
             by one (not fused).
-        push: for a fused path, ``push(rows, peers, plan) -> FusedPush``.
+        push: for a fused path, ``push(rows, peers, plan) -> [FusedPush]``:
+            its blocks, one :class:`FusedPush` per set of row counts.
+        merge: for a fused path whose received rows the exchange does not sum:
+            ``merge(rows, received, peers, plan) -> (ids, sums)``, ``received``
+            holding each FusedPush's blocks' rows from every rank, in rank order.
         with_metadata: ``with_metadata(rows, plan)``: metadata and rows in one
             collective, given per-tensor capacities (None: not offered).
         round_trips: ``round_trips(workload)``: collectives per call, each
@@ -160,8 +181,10 @@ class SyncPath:
     backend: Optional[str] = None
     baseline: bool = False
     compresses: bool = False
+    runs: bool = False
     run: Optional[RunFn] = None
     push: Optional[Callable] = None
+    merge: Optional[Callable] = None
     with_metadata: Optional[Callable] = None
 
     @property

@@ -38,11 +38,11 @@ def host_bytes(w: Workload, hosts: int, lws: int, union_node: float) -> float:
     return lws * (n - lws) / n * (w.rows_mean + w.union_rows) * w.row_bytes
 
 
-def _push(t: TensorRows, p: Peers, plan: SyncPlan) -> FusedPush:
+def _push(t: TensorRows, p: Peers, plan: SyncPlan) -> List[FusedPush]:
     n, me = plan.world_size, plan.rank
     recv: List[int] = [p.push[i][me] for i in range(n)]
-    return FusedPush([Gathered(t.part.ids, None, t.wire_ids), Gathered(t.values, t.part.perm)], p.push[me], recv,
-                     repeat=False)
+    return [FusedPush([Gathered(t.part.ids, None, t.wire_ids), Gathered(t.values, t.part.perm)], p.push[me], recv,
+                      repeat=False)]
 
 
 PATH = SyncPath(
