@@ -8,12 +8,13 @@ decision without talking. Each method prices itself
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Union
 
 from sparsecomm.collectives import methods
-from sparsecomm.collectives.methods import Latencies, SyncPath, Workload, exchange_latency
+from sparsecomm.collectives.methods import InputRuns, Latencies, SyncPath, Workload, exchange_latency
 from sparsecomm.collectives.probe import LinkProbe
 from sparsecomm.cost_model import FittedCost, host_layout, load_fitted_cost
 from sparsecomm.types import SyncMethod
@@ -30,9 +31,9 @@ def path_of(method: SyncMethod, world_size: int, ranks_per_host: int = 1, local_
 
 def _workload(world_size: int, num_rows: float, row_elems: int, elem_bytes: int, index_bytes: int,
               rows_mean: float, union_rows: float, ranks_per_host: int = 1, union_node: Optional[float] = None,
-              local_aggregation: bool = True) -> Workload:
+              local_aggregation: bool = True, runs: Optional[InputRuns] = None) -> Workload:
     return Workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows,
-                    ranks_per_host, union_node, local_aggregation)
+                    ranks_per_host, union_node, local_aggregation, runs)
 
 
 def collectives(method: SyncMethod, world_size: int, ranks_per_host: int = 1, local_aggregation: bool = True
@@ -64,16 +65,18 @@ def latency_seconds(method: SyncMethod, world_size: int, latency_s: float, pair_
 
 def bottleneck_bytes(method: SyncMethod, world_size: int, num_rows: int, row_elems: int, elem_bytes: int,
                      index_bytes: int, rows_mean: float, union_rows_: float, ranks_per_host: int = 1,
-                     union_node: Optional[float] = None, local_aggregation: bool = True) -> float:
+                     union_node: Optional[float] = None, local_aggregation: bool = True,
+                     runs: Optional[InputRuns] = None) -> float:
     """Bytes ``method`` puts on the busiest link: a host's link when L ranks share it, else a rank's own.
 
     With L > 1 the partitioned path is two-level when ``local_aggregation``
     is on, as in the hook. ``union_node`` (rows in the union of a host's
     ranks) defaults to the power-law interpolation
-    :func:`~sparsecomm.cost_model.union_rows`.
+    :func:`~sparsecomm.cost_model.union_rows`. ``runs`` (the input's ids and
+    runs per rank) prices the runs path; without it that path costs infinity.
     """
     w = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows_, ranks_per_host,
-                  union_node, local_aggregation)
+                  union_node, local_aggregation, runs)
     return path_of(method, world_size, ranks_per_host, local_aggregation).link_bytes(w)
 
 
@@ -91,7 +94,7 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
                   allowed: Optional[Sequence[SyncMethod]] = None,
                   fitted: Union[FittedCost, None, bool] = None, *, link: Optional[LinkProbe] = None,
                   ranks_per_host: Optional[int] = None, union_node: Optional[float] = None,
-                  local_aggregation: bool = True) -> Decision:
+                  local_aggregation: bool = True, runs: Optional[InputRuns] = None) -> Decision:
     """Pick the cheapest allowed method by its time on the bottleneck link, or by fitted seconds when a fit is given.
 
     Without a fit: seconds(m) = m's latency + bytes on the busiest link(m) /
@@ -119,6 +122,7 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
         ranks_per_host: L, ranks sharing a host's link (contiguous ranks); default ``link``'s, else 1.
         union_node: rows in the union of one host's ranks (default: interpolated from k and U).
         local_aggregation: the partitioned path aggregates within a host first (two-level) when L > 1.
+        runs: the input's ids and runs of equal rows per rank (prices the runs path; None: it is not offered).
 
     Returns:
         The :class:`Decision`.
@@ -128,7 +132,7 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
     lws = host_layout(world_size, ranks_per_host)
     flat = [p for p in methods.PATHS if not p.hierarchical]
     # Bytes per rank (one rank per host), reported with the decision.
-    w1 = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows)
+    w1 = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows, runs=runs)
     est = {p.method.value: p.link_bytes(w1) for p in flat}
     allowed = [p.method for p in flat if p.backend is None] if allowed is None else list(allowed)
     if world_size <= 1:
@@ -137,14 +141,14 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
     shape = _describe_workload(world_size, lws, rows_mean, union_rows, num_rows)
     fitted_paths = _fitted_paths(fit, allowed, world_size)
     if fitted_paths:
-        w = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows)
+        w = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows, runs=runs)
         cost = {m: fit.seconds(p, w) for m, p in fitted_paths.items()}
         best = min(cost, key=lambda m: (cost[m], _order(m)))
         reason = ("fitted seconds per sync: " + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items())
                   + " (" + shape + ")")
         return Decision(best, reason, est)
     cost = method_costs(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows,
-                        allowed, latency_bytes, link, lws, union_node, local_aggregation)
+                        allowed, latency_bytes, link, lws, union_node, local_aggregation, runs=runs)
     best = min(cost, key=lambda m: (cost[m], _order(m)))
     if link is not None:
         other = f", other collectives {link.other_latency_s * 1e3:.3g} ms" if link.backend_latency_s is not None \
@@ -189,8 +193,11 @@ def _fitted_paths(fit: Optional[FittedCost], allowed: Sequence[SyncMethod], worl
 def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int, index_bytes: int,
                  rows_mean: float, union_rows_: float, allowed: Sequence[SyncMethod], latency_bytes: float = 64 * 1024,
                  link: Optional[LinkProbe] = None, ranks_per_host: int = 1, union_node: Optional[float] = None,
-                 local_aggregation: bool = True) -> Dict[SyncMethod, float]:
-    """The default model's cost of each allowed method: seconds with ``link``, else bytes (latency as bytes)."""
+                 local_aggregation: bool = True, runs: Optional[InputRuns] = None) -> Dict[SyncMethod, float]:
+    """The default model's cost of each allowed method: seconds with ``link``, else bytes (latency as bytes).
+
+    A method it cannot price (the runs path without ``runs``) is left out.
+    """
     lws = host_layout(world_size, ranks_per_host)
     if link is not None:
         fixed = {m: latency_seconds(m, world_size, link.latency_s, link.hop_latency_s, lws, local_aggregation,
@@ -200,9 +207,10 @@ def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int
     else:
         fixed = {m: collectives(m, world_size, lws, local_aggregation) * latency_bytes for m in allowed}
         bps = 1.0
-    return {m: fixed[m] + bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean,
-                                           union_rows_, lws, union_node, local_aggregation) / bps
+    cost = {m: fixed[m] + bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean,
+                                           union_rows_, lws, union_node, local_aggregation, runs) / bps
             for m in allowed}
+    return {m: c for m, c in cost.items() if math.isfinite(c)}
 
 
 def _fit(fitted: Union[FittedCost, None, bool]) -> Optional[FittedCost]:

@@ -30,7 +30,7 @@ class HookConfig:
         sparse_compression: None (default: exact), "bf16" or "fp16": the
             value rows of sparse gradients travel in half precision on the
             paths that sum at an owner or merge ("partitioned", "allgather",
-            "tree", two-level), summed in float32 and returned in the
+            "runs", "tree", two-level), summed in float32 and returned in the
             gradient's dtype; each rank's result is the same bitwise, within
             about 2 units of the wire dtype's roundoff of the exact sum
             (``sparse_allreduce(compression=...)``). Ids and metadata stay
@@ -38,7 +38,8 @@ class HookConfig:
             into the exchange then (they keep their own exact allreduce).
             Half the value bytes: for a slow link between hosts. "none" is
             read as None.
-        overrides: ``{parameter name: "partitioned" | "allgather" | "densify" | "torch" | "tree" | "auto"}``.
+        overrides: ``{parameter name: "partitioned" | "allgather" | "densify" | "torch" | "tree" | "runs" |
+            "auto"}``.
         sparse_dense_embeddings: for embeddings trained with dense gradients
             (``sparse=False``), send only their non-zero rows through the
             sparse path (exact: zero rows stay zero). Off by default.

@@ -23,6 +23,7 @@ import torch.nn as nn
 from sparsecomm.collectives.dense import max_over_ranks, ring_allreduce_bytes
 from sparsecomm.collectives.groups import comm_device, node_groups, twin_group
 from sparsecomm.collectives.launchers import env_local_world_size
+from sparsecomm.collectives.methods import InputRuns
 from sparsecomm.collectives.probe import LinkProbe, measure_link
 from sparsecomm.collectives.step_order import JoinShadow
 from sparsecomm.hooks.classifier import Decision, choose_method, host_layout, method_costs
@@ -353,11 +354,13 @@ class SparseCommState:
         lws = host_layout(n, self.local_world_size)
         shape = (n, s.num_rows, s.row_bytes // elem_bytes, elem_bytes, s.index_bytes, s.rows_local_sum / max(1, n),
                  s.rows_out)
+        # The input's ids and runs (every path counts them), to price the runs path.
+        runs = InputRuns(s.rows_in_sum / max(1, n), s.runs_local_sum / max(1, n)) if s.rows_in_sum else None
         decision = choose_method(*shape, self.latency_bytes, allowed=allowed, link=self.link, ranks_per_host=lws,
-                                 local_aggregation=self.config.local_aggregation)
+                                 local_aggregation=self.config.local_aggregation, runs=runs)
         if self.config.tune and n > 1:
             costs = method_costs(*shape, allowed, self.latency_bytes, self.link, lws,
-                                 local_aggregation=self.config.local_aggregation)
+                                 local_aggregation=self.config.local_aggregation, runs=runs)
             candidates = candidates_near(costs, 4.0, allowed)
             if decision.method not in candidates:  # a fitted model's pick
                 candidates.insert(0, decision.method)
