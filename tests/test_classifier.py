@@ -262,6 +262,8 @@ def test_link_probe_is_the_same_on_every_rank():
     assert hosts.backend_latency_s is not None and hosts.backend_latency_s >= hosts.latency_s
     assert pairs.ranks_per_host == 1 and 0 < pairs.pair_latency_s <= pairs.backend_latency_s
     assert hosts.bytes_per_s > 0 and 1024 <= lat_bytes <= 1 << 26
+    # A merge's price: a few GB/s down to a few MB/s of value bytes on any CPU.
+    assert 1e-11 < hosts.merge_s_per_byte < 1e-6
 
 
 def _probe_gloo_worker(rank, world):

@@ -211,6 +211,20 @@ def test_runs_priced_from_the_inputs_runs_and_chosen_on_a_slow_link():
     assert choose_method(*shape, link=link, fitted=False, runs=InputRuns(1500, 1500)).method is not SyncMethod.RUNS
 
 
+def test_runs_merge_priced_at_the_measured_rate():
+    # It merges (N+1) n rows where the allgather merges N k: on a fast link that decides, on a slow one bytes do.
+    shape, runs = (2, 500_000, 32, 4, 4, 1500, 2900), InputRuns(4096, 512)
+    merge = 0.2e-9   # s per value byte, as measured on this machine's CPU
+    fast = LinkProbe(latency_s=3e-4, bytes_per_s=1.2e9, merge_s_per_byte=merge)
+    slow = LinkProbe(latency_s=3e-4, bytes_per_s=75e6, merge_s_per_byte=merge)
+    costs = method_costs(*shape, list(SyncMethod), link=fast, runs=runs)
+    free = method_costs(*shape, list(SyncMethod), link=LinkProbe(3e-4, 1.2e9), runs=runs)
+    assert costs[SyncMethod.RUNS] - free[SyncMethod.RUNS] == pytest.approx(3 * 4096 * 128 * merge)
+    assert costs[SyncMethod.ALLGATHER] - free[SyncMethod.ALLGATHER] == pytest.approx(2 * 1500 * 128 * merge)
+    assert choose_method(*shape, link=fast, fitted=False, runs=runs).method is SyncMethod.ALLGATHER
+    assert choose_method(*shape, link=slow, fitted=False, runs=runs).method is SyncMethod.RUNS
+
+
 # ------------------------------------------------------------------ in the hook
 
 class _Bags(nn.Module):

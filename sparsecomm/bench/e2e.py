@@ -94,7 +94,7 @@ from sparsecomm.bench.harness import Row, Verdict, progress
 from sparsecomm.bench.launch import add_launch_args, emulated_link, run_distributed
 from sparsecomm.bench.netns import parse_rate
 from sparsecomm.collectives import methods as sync_methods
-from sparsecomm.collectives.methods import Workload
+from sparsecomm.collectives.methods import InputRuns, Workload
 from sparsecomm.collectives.transport import wire_index_dtype
 from sparsecomm.cost_model import sharded_floor_bytes
 from sparsecomm.sharded.combined import build_optimizer
@@ -281,7 +281,8 @@ def _finish_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int],
         opt.step()
         steps += 1
     hook = _hook_state(model).eager_trial
-    report = opt.trial.report() + (f"\n# its hook's sparse syncs: {hook.reason}" if hook is not None else "")
+    report = opt.trial.report() + (f"\n# its hook's sparse syncs: {hook.reason}" if hook is not None else "") \
+        + _paths(_hook_state(model))
     return dict(steps=steps, seconds=time.perf_counter() - start, report=report,
                 kept=opt.trial.candidates[opt.trial.kept].name if opt.trial.done else "undecided")
 
@@ -301,7 +302,15 @@ def _finish_hook_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[
     trial = state.eager_trial
     kept = "undecided" if trial is None or trial.eager is None else "eager" if trial.eager else "fused"
     return dict(steps=steps, seconds=time.perf_counter() - start, kept=kept,
-                report=f"# the hook's sparse syncs: {kept}, " + (trial.reason if trial else "no trial"))
+                report=f"# the hook's sparse syncs: {kept}, " + (trial.reason if trial else "no trial") + _paths(state))
+
+
+def _paths(state: Any) -> str:
+    """The hook's path per table so far (its classifier's decisions), as a report line; '' without any."""
+    decisions = getattr(state, "decisions", None)
+    if not decisions:
+        return ""
+    return "\n#   paths: " + ", ".join(f"{name} {d.method.value}" for name, d in sorted(decisions.items()))
 
 
 class _NoHook:
@@ -370,7 +379,8 @@ def _bytes_moved(method: str, model: nn.Module, batches: Sequence[Dict[str, Any]
             total += (n - 1) * k * (row + 8)
         else:  # bf16 rows (register_bf16) on the paths that compress
             half = method in LOSSY
-            w = Workload(n, v, a.dim, 2 if half else 4, idb, k, union)
+            # Sum-pooled bags: a.bag ids a bag, one gradient row each (the runs path's input).
+            w = Workload(n, v, a.dim, 2 if half else 4, idb, k, union, runs=InputRuns(a.batch * a.bag, a.batch))
             total += min(p.link_bytes(w) for p in sync_methods.PATHS if not p.hierarchical and p.backend in
                          (None, "gloo") and (p.compresses or not half))
     return total + max(sent)

@@ -1,4 +1,4 @@
-"""Measure the link inside the job: one collective's latency and the bytes/s of a large one.
+"""Measure the link inside the job: one collective's latency, the bytes/s of a large one, a merge's price.
 
 The classifier prices a collective in bytes (latency x bandwidth); a constant
 is wrong on every machine but one, so the hook measures it at registration.
@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from sparsecomm import ops
 from sparsecomm.collectives import shm
 from sparsecomm.collectives.groups import comm_device
 from sparsecomm.collectives.transport import all_to_all
@@ -48,6 +49,10 @@ class LinkProbe:
             :mod:`sparsecomm.collectives.shm`): what densify's all-reduces and
             gloo's ring hops (torch's sparse all_reduce, the tree's stages)
             pay; None: priced as ``latency_s``.
+        merge_s_per_byte: seconds a rank takes to sort and sum one byte of
+            value rows (``ops.coalesce_rows`` on rows with repeated ids, where
+            the gradients live): the price of a path's merged rows; 0: not
+            measured (merges not priced).
     """
 
     latency_s: float
@@ -55,6 +60,7 @@ class LinkProbe:
     ranks_per_host: int = 1
     pair_latency_s: Optional[float] = None
     backend_latency_s: Optional[float] = None
+    merge_s_per_byte: float = 0.0
 
     @property
     def latency_bytes(self) -> float:
@@ -111,6 +117,22 @@ def _time_allreduce(group, dev, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _time_merge(device: torch.device, repeats: int, rows: int = 8192, width: int = 32) -> float:
+    """Median seconds per value byte of ``ops.coalesce_rows`` on ``rows`` float32 rows, each id about twice."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, rows // 2, (rows,), generator=g).to(device)
+    values = torch.randn(rows, width, generator=g).to(device)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        ops.coalesce_rows(ids, values, rows // 2)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / (rows * width * 4)
+
+
 def _time_pairs(group, dev, n: int, lws: int, repeats: int) -> float:
     """Median time of a tiny exchange with rank ``me ^ L`` (on another host; L = 1: ``me ^ 1``); 0 without one."""
     me = dist.get_rank(group)
@@ -148,7 +170,8 @@ def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torc
     tree stage or a ring hop might cost. Off because it priced them too low
     here: an idle pair exchange took ~0.1 of an 8-rank all-to-all, a hop
     inside torch's ring ~0.2-0.3, and the classifier then took torch or the
-    tree where allgather was up to 2.2x faster (docs/DESIGN.md).
+    tree where allgather was up to 2.2x faster (docs/DESIGN.md). And, on
+    ``device``, the seconds per value byte of a merge (``merge_s_per_byte``).
     """
     n = dist.get_world_size(group)
     if n == 1:
@@ -163,13 +186,14 @@ def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torc
     # (every rank knows the same: the transport is chosen alike everywhere).
     split = dev.type == "cpu" and shm.active(group)
     backend = _time_allreduce(group, dev, 3 * repeats) if split else 0.0
-    numbers = torch.tensor([tiny, large, pair, backend], dtype=torch.float64, device=dev)
+    merge = _time_merge(torch.device(device), 3 * repeats)
+    numbers = torch.tensor([tiny, large, pair, backend, merge], dtype=torch.float64, device=dev)
     dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
-    tiny, large, pair, backend = numbers.tolist()
+    tiny, large, pair, backend, merge = numbers.tolist()
     link = alltoall_host_link_bytes(n, lws, n * max(1, large_bytes // n))
     bytes_per_s = min(_MAX_BYTES_PER_S, link / max(large - tiny, link / _MAX_BYTES_PER_S))
     return LinkProbe(tiny, bytes_per_s, lws, min(pair, backend or tiny) if pairs else None,
-                     max(backend, tiny) if split else None)
+                     max(backend, tiny) if split else None, merge)
 
 
 def measure_latency_bytes(group: Optional[dist.ProcessGroup], device: torch.device = torch.device("cpu"),

@@ -155,8 +155,9 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
             else ""
         reason = (f"estimated ms per sync: " + ", ".join(f"{m.value} {c * 1e3:.3g}" for m, c in cost.items())
                   + f" (an all-to-all costs {link.latency_s * 1e3:.3g} ms{other}, an exchange between two ranks "
-                  f"{link.hop_latency_s * 1e3:.3g} ms; a host's link moves {link.bytes_per_s / 1e6:.0f} MB/s; "
-                  + shape + ")")
+                  f"{link.hop_latency_s * 1e3:.3g} ms; a host's link moves {link.bytes_per_s / 1e6:.0f} MB/s"
+                  + (f", a merge sums {1e-6 / link.merge_s_per_byte:.0f} MB/s" if link.merge_s_per_byte else "")
+                  + "; " + shape + ")")
     else:
         reason = (f"estimated bytes on the busiest link, a collective priced at {latency_bytes:.3g} bytes: "
                   + ", ".join(f"{m.value} {c:.3g}" for m, c in cost.items()) + " (" + shape + ")")
@@ -196,12 +197,20 @@ def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int
                  local_aggregation: bool = True, runs: Optional[InputRuns] = None) -> Dict[SyncMethod, float]:
     """The default model's cost of each allowed method: seconds with ``link``, else bytes (latency as bytes).
 
+    With ``link``: latency + bytes on the busiest link / its rate + the
+    rows the method merges x the link's measured ``merge_s_per_byte``.
+
     A method it cannot price (the runs path without ``runs``) is left out.
     """
     lws = host_layout(world_size, ranks_per_host)
     if link is not None:
+        # Latency, and the rows a rank sorts and sums at the measured price (the runs path merges N n rows).
+        w = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows_, lws,
+                      union_node, local_aggregation, runs)
+        merge = link.merge_s_per_byte * row_elems * elem_bytes
         fixed = {m: latency_seconds(m, world_size, link.latency_s, link.hop_latency_s, lws, local_aggregation,
                                     link.other_latency_s)
+                 + merge * path_of(m, world_size, lws, local_aggregation).merged_rows(w)
                  for m in allowed}
         bps = link.bytes_per_s
     else:

@@ -102,7 +102,8 @@ PATH = SyncPath(
     link_bytes=lambda w: host_bytes(w, w.hosts, w.lws, w.host_union),
     fit_steps=lambda n: 2 if n > 1 else 0.0,
     host_bytes=host_bytes,
-    merged_rows=lambda w: w.world_size * (w.runs.ids_mean if w.runs is not None else w.rows_mean),
+    # Every rank's n rows summed, and the pass that finds the runs (about one more coalesce of the input).
+    merged_rows=lambda w: (w.world_size + 1) * (w.runs.ids_mean if w.runs is not None else w.rows_mean),
     fused=True,
     runs=True,
     push=_push,
