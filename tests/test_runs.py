@@ -264,3 +264,22 @@ def _hook_worker(rank, world):
 def test_hook_override_runs_trains_like_single_process(world):
     for diff, paths in run_ranks(world, _hook_worker).values():
         assert diff < 1e-5 and "runs" in paths
+
+
+def _nodes_worker(rank, world):
+    # Two ranks per node: partitioned tensors go two-level, the runs tensor stays flat, in one call.
+    cases = CASES[:2]
+    tensors = [bags_input(rank, rows, dim, dtype, b, s, seed=i) for i, (rows, dim, dtype, b, s, _) in enumerate(cases)]
+    outs = sparsecomm.sparse_allreduce_coalesced(tensors, method=["runs", "partitioned"], local_world_size=2)
+    for i, o in enumerate(outs):
+        rows, dim, dtype, b, s, _ = cases[i]
+        ref_ids, ref_vals = _reference([bags_input(r, rows, dim, dtype, b, s, seed=i) for r in range(world)])
+        assert torch.equal(o.indices()[0], ref_ids)
+        assert torch.allclose(o.values().double(), ref_vals, rtol=TOL[dtype] * world, atol=TOL[dtype])
+    return _digest(outs[0])
+
+
+@pytest.mark.slow
+def test_runs_beside_two_level_tensors():
+    results = run_ranks(4, _nodes_worker)
+    assert all(results[r] == results[0] for r in results)
