@@ -5,13 +5,11 @@ repeated for each of its ids), plus inputs without runs, empty ranks, -0.0/0.0
 and NaN rows; and peers that lie about their runs.
 """
 
-import copy
 import hashlib
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm.collectives import sync_plan
@@ -22,6 +20,7 @@ from sparsecomm.hooks.classifier import bottleneck_bytes, choose_method, method_
 from sparsecomm.types import SparseSyncStats, SyncMethod
 
 from distributed import run_ranks
+from reference import hook_against_single
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
@@ -121,17 +120,22 @@ def test_runs_are_bitwise():
     assert sync_plan._runs(torch.zeros(5, 3, dtype=torch.float16))[1].tolist() == [5]  # 6-byte rows
 
 
+def _error_of(t):
+    """The ValueError a runs sync of ``t`` raises here, or "no error"."""
+    try:
+        sparsecomm.sparse_allreduce(t, method="runs")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def _nonfinite_worker(rank, world):
     t = bags_input(rank, 50, (4,), torch.float32, seed=3)
     if rank == 1:
         t = torch.sparse_coo_tensor(t._indices(), t._values().index_fill(0, torch.tensor([2]), float("inf")), t.shape)
     out = sparsecomm.sparse_allreduce(t, method="runs", nonfinite="propagate")
     assert bool(torch.isinf(out.values()).any())
-    try:
-        sparsecomm.sparse_allreduce(t, method="runs")
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return _error_of(t)
 
 
 def test_nonfinite_rows_raise_on_every_rank_or_propagate():
@@ -164,11 +168,7 @@ def _lying_worker(rank, world, attack):
             return real_push(rows, peers, plan)
 
         object.__setattr__(by_name("runs"), "push", lying_push)
-    try:
-        sparsecomm.sparse_allreduce(t, method="runs")
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return _error_of(t)
 
 
 @pytest.mark.parametrize("attack,match", [("long-run", "run lengths"), ("empty-run", "run lengths"),
@@ -182,11 +182,7 @@ def _bad_ids_worker(rank, world):
     t = bags_input(rank, 10, (2,), torch.float32, seed=1)
     if rank == 0:  # id 12 of a 10-row table
         t = torch.sparse_coo_tensor(torch.tensor([[3, 12]]), torch.ones(2, 2), (10, 2), check_invariants=False)
-    try:
-        sparsecomm.sparse_allreduce(t, method="runs")
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    return _error_of(t)
 
 
 def test_ids_out_of_range_raise_on_every_rank():
@@ -237,27 +233,14 @@ class _Bags(nn.Module):
         return self.lin(self.bag(ids)).squeeze(1)
 
 
+def _bag_data(r, step):
+    g = torch.Generator().manual_seed(100 * step + r)
+    return torch.randint(0, 80, (6, 5), generator=g), torch.randn(6, generator=g)
+
+
 def _hook_worker(rank, world):
     torch.manual_seed(0)
-    base = _Bags()
-    single = copy.deepcopy(base)
-    ours = DDP(copy.deepcopy(base))
-    state = sparsecomm.register(ours, overrides={"bag.weight": "runs"})
-    opts = [torch.optim.SGD(ours.parameters(), lr=0.1), torch.optim.SGD(single.parameters(), lr=0.1)]
-
-    def data(r, step):
-        g = torch.Generator().manual_seed(100 * step + r)
-        return torch.randint(0, 80, (6, 5), generator=g), torch.randn(6, generator=g)
-
-    for step in range(5):
-        for model, opt, (x, y) in ((ours, opts[0], data(rank, step)),
-                                   (single, opts[1], tuple(torch.cat(z) for z in zip(*[data(r, step)
-                                                                                       for r in range(world)])))):
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-    diff = max(float((a - b).abs().max()) for a, b in zip(ours.module.parameters(), single.parameters()))
-    return diff, sorted(state.stats)
+    return hook_against_single(_Bags(), {"bag.weight": "runs"}, _bag_data, rank, world, lr=0.1)
 
 
 @pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])

@@ -3,13 +3,11 @@
 Ranks are spawned once per world size; each runs every case and reports back.
 """
 
-import copy
 import hashlib
 
 import pytest
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm.collectives import sync_wire
@@ -18,6 +16,7 @@ from sparsecomm.cost_model import allgather_bytes
 from sparsecomm.types import SparseSyncStats
 
 from distributed import run_ranks
+from reference import hook_against_single
 from test_sparse_allreduce import _check_result, make_input
 
 CASES = []
@@ -164,27 +163,14 @@ class _Net(nn.Module):
         return self.lin(self.emb(ids)).squeeze(1)
 
 
+def _tree_data(r, step):
+    g = torch.Generator().manual_seed(100 * step + r)
+    return torch.randint(0, 50, (6,), generator=g), torch.randn(6, generator=g)
+
+
 def _hook_worker(rank, world):
     torch.manual_seed(0)
-    base = _Net()
-    single = copy.deepcopy(base)
-    ours = DDP(copy.deepcopy(base))
-    state = sparsecomm.register(ours, overrides={"emb.weight": "tree"})
-    opts = [torch.optim.SGD(ours.parameters(), lr=0.2), torch.optim.SGD(single.parameters(), lr=0.2)]
-
-    def data(r, step):
-        g = torch.Generator().manual_seed(100 * step + r)
-        return torch.randint(0, 50, (6,), generator=g), torch.randn(6, generator=g)
-
-    for step in range(5):
-        for model, opt, (x, y) in ((ours, opts[0], data(rank, step)),
-                                   (single, opts[1], tuple(torch.cat(z) for z in zip(*[data(r, step)
-                                                                                       for r in range(world)])))):
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-    diff = max(float((a - b).abs().max()) for a, b in zip(ours.module.parameters(), single.parameters()))
-    return diff, sorted(state.stats)
+    return hook_against_single(_Net(), {"emb.weight": "tree"}, _tree_data, rank, world, lr=0.2)
 
 
 @pytest.mark.slow
