@@ -14,7 +14,7 @@ from distributed import expect_value_error, run_ranks
 
 V, D = 300, 8
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
-COMPRESSING = ("partitioned", "allgather", "tree")
+COMPRESSING = ("partitioned", "allgather", "tree", "runs")
 
 
 def _grad(rank: int, scale: float = 1.0) -> torch.Tensor:

@@ -78,7 +78,7 @@ def test_cluster_sweep_checks_every_method_and_cleans_up(tmp_path):
     assert rc == 0, err[-3000:]
     records = json.loads(out_json.read_text())["records"]
     timed = {r["method"]: r for r in records if "wrong" in r and r["method"] != "tuned"}
-    assert set(timed) == {"dense", "torch", "allgather", "partitioned", "tree"}  # two_level needs 2+ ranks/host
+    assert set(timed) == {"dense", "torch", "allgather", "partitioned", "tree", "runs"}  # two_level: 2+ ranks/host
     assert all(r["wrong"] == 0 and r["seconds"] > 0 for r in timed.values())
     assert any(r["method"] == "auto" and r["picked"] in timed and r["link_bytes_per_s"] > 0 for r in records)
     # The tuner ran online: explored its candidates (a warm-up and 2 samples each), kept one, timed it in the rounds.
