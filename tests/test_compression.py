@@ -6,10 +6,15 @@ Real multi-process runs (gloo) at world 1-3; the two-level path at world 4 (slow
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
+from sparsecomm.types import SparseSyncStats
 from distributed import expect_value_error, run_ranks
 
 V, D = 300, 8
@@ -107,3 +112,52 @@ def test_two_level_path_compresses_within_a_bound_per_level():
         assert torch.equal(ids[0], touched)
         err = (values.double() - total[touched]).abs()
         assert bool((err <= 4 * UNIT_ROUNDOFF["bf16"] * absolute[touched] + 1e-6).all())
+
+
+def _per_tensor_worker(rank, world):
+    tensors = [_grad(rank), _grad(rank, scale=3.0)]
+    exact = [SparseSyncStats() for _ in tensors]
+    mixed = [SparseSyncStats() for _ in tensors]
+    ref = sparsecomm.sparse_allreduce_coalesced(tensors, method="allgather", stats=exact)
+    got = sparsecomm.sparse_allreduce_coalesced(tensors, method="allgather", compression=["bf16", None], stats=mixed)
+    # The second tensor travelled exact: bitwise the exact call's; the first in bf16: fewer bytes, not exact.
+    assert torch.equal(got[1].values(), ref[1].values()) and mixed[1].bytes_sent == exact[1].bytes_sent
+    assert mixed[0].bytes_sent < exact[0].bytes_sent and not torch.equal(got[0].values(), ref[0].values())
+    return expect_value_error(lambda: sparsecomm.sparse_allreduce_coalesced(tensors, compression=["bf16"]),
+                              "one of those per tensor")
+
+
+def test_compression_per_tensor_keeps_the_others_exact():
+    for message in run_ranks(2, _per_tensor_worker).values():
+        assert "one of those per tensor" in message
+
+
+class _BagNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(V, D, mode="sum", sparse=True)
+        self.lin = nn.Linear(D, 1)
+
+    def forward(self, ids):
+        return self.lin(self.bag(ids)).squeeze(1)
+
+
+def _hook_dense_worker(rank, world):
+    torch.manual_seed(0)
+    base = _BagNet()
+    ours, plain = DDP(copy.deepcopy(base)), DDP(copy.deepcopy(base))
+    state = sparsecomm.register(ours, sparse_compression="bf16")
+    g = torch.Generator().manual_seed(rank)
+    ids, y = torch.randint(0, V, (16, 4), generator=g), torch.randn(16, generator=g)
+    for model in (ours, plain):
+        ((model(ids) - y) ** 2).mean().backward()
+    # The dense bucket rode in the compressed sparse exchange, yet its gradient is plain DDP's to float32 roundoff.
+    assert "dense-fused" in state.stats
+    for name in ("lin.weight", "lin.bias"):
+        a, b = ours.module.get_parameter(name).grad, plain.module.get_parameter(name).grad
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (name, float((a - b).abs().max()))
+    return True
+
+
+def test_hook_keeps_fused_dense_buckets_exact_under_sparse_compression():
+    assert all(run_ranks(2, _hook_dense_worker).values())

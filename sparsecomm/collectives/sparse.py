@@ -153,7 +153,8 @@ def sparse_allreduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[
                                local_world_size: Optional[int] = None, local_aggregation: bool = True,
                                method: Union[str, SyncMethod, Sequence[Union[str, SyncMethod]]] = "partitioned",
                                nonfinite: str = "raise", stats: Optional[Sequence[SparseSyncStats]] = None,
-                               capacity: Optional[Sequence[int]] = None, compression: Optional[str] = None
+                               capacity: Optional[Sequence[int]] = None,
+                               compression: Union[Optional[str], Sequence[Optional[str]]] = None
                                ) -> Union[List[torch.Tensor], torch.futures.Future]:
     """:func:`sparse_allreduce` of several sparse tensors in one set of collectives.
 
@@ -173,6 +174,8 @@ def sparse_allreduce_coalesced(tensors: Sequence[torch.Tensor], group: Optional[
             all-to-all, each rank's rows zero-padded to the capacity. If any
             rank holds more, every rank sees it and the call falls back to
             the two-collective path (correct either way).
+        compression: as for :func:`sparse_allreduce`, for all tensors, or
+            one per tensor (None keeps that tensor exact).
         (others): as for :func:`sparse_allreduce`.
 
     Returns:
@@ -232,7 +235,8 @@ def _sync(tensors: List[torch.Tensor], paths: List[SyncPath], plan: SyncPlan, st
           ) -> List[torch.Tensor]:
     clock = time.perf_counter
     t0 = clock()
-    rows = [prepare(t, p, plan, s) for t, p, s in zip(tensors, paths, stats)]
+    wire = plan.wire_dtypes or [None] * len(tensors)
+    rows = [prepare(t, p, plan, s, w) for t, p, s, w in zip(tensors, paths, stats, wire)]
     t1 = clock()
     results: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = [None] * len(rows)
     one = _one_collective(rows, plan)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,9 @@ class SyncOptions:
     ``compression``: None (the tensors' dtype on the wire: exact) or
     ``"bf16"`` / ``"fp16"``: value rows travel in that dtype on the paths
     that sum at an owner or a merge (``SyncPath.compresses``), summed in
-    float32 there and rounded once to it again for the way back.
+    float32 there and rounded once to it again for the way back. A sequence
+    gives one per tensor (e.g. a dense bucket kept exact beside compressed
+    embedding gradients).
     """
 
     op: object = "sum"
@@ -51,7 +53,7 @@ class SyncOptions:
     methods: Sequence[object] = ()
     nonfinite: str = "raise"
     capacity: Optional[Sequence[int]] = None
-    compression: Optional[str] = None
+    compression: Union[Optional[str], Sequence[Optional[str]]] = None
 
 
 @dataclass
@@ -70,7 +72,7 @@ class SyncPlan:
     rank: int = 0
     comm_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     capacity: Optional[List[int]] = None  # rows reserved per rank and tensor: one-collective allgather
-    wire_dtype: Optional[torch.dtype] = None  # compression: values' dtype on the wire (None: their own)
+    wire_dtypes: Optional[List[Optional[torch.dtype]]] = None  # per tensor: values' dtype on the wire (None: own)
 
     @staticmethod
     def build(tensors: Sequence[torch.Tensor], group, options: SyncOptions) -> "SyncPlan":
@@ -83,8 +85,11 @@ class SyncPlan:
         local_world_size, local_aggregation = options.local_world_size, options.local_aggregation
         if nonfinite not in ("raise", "propagate"):
             raise ValueError(f"nonfinite must be 'raise' or 'propagate', got {nonfinite!r}")
-        if options.compression not in WIRE_DTYPES:
-            raise ValueError(f"compression must be 'bf16', 'fp16' or None, got {options.compression!r}")
+        compression = options.compression
+        compression = list(compression) if isinstance(compression, (list, tuple)) else [compression] * len(tensors)
+        if len(compression) != len(tensors) or any(c not in WIRE_DTYPES for c in compression):
+            raise ValueError(f"compression must be 'bf16', 'fp16' or None, or one of those per tensor, "
+                             f"got {options.compression!r} for {len(tensors)} tensors")
         for t in tensors:
             _check_tensor(t)
         devices = {t.device for t in tensors}
@@ -103,7 +108,7 @@ class SyncPlan:
         device = devices.pop() if devices else torch.device("cpu")
         return SyncPlan(op, scheme.value, methods, local_world_size, local_aggregation, nonfinite, device,
                         group, n, dist.get_rank(group), capacity=capacity,
-                        wire_dtype=WIRE_DTYPES[options.compression])
+                        wire_dtypes=[WIRE_DTYPES[c] for c in compression])
 
     def on(self, group: Optional[dist.ProcessGroup]) -> "SyncPlan":
         """This plan bound to the group it runs on (the caller's or its twin)."""
@@ -198,8 +203,12 @@ class Peers:
     runs: List[int] = field(default_factory=list)  # runs of equal consecutive input rows of each rank (m)
 
 
-def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncStats) -> TensorRows:
-    """Linearize, check and coalesce one tensor's rows; partition them by owner when ``path`` pushes to owners."""
+def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncStats,
+            wire_dtype: Optional[torch.dtype] = None) -> TensorRows:
+    """Linearize, check and coalesce one tensor's rows; partition them by owner when ``path`` pushes to owners.
+
+    ``wire_dtype``: the values' dtype on the wire when ``path`` compresses (None: their own).
+    """
     sparse_shape = tuple(tensor.shape[: tensor.sparse_dim()])
     num_rows = math.prod(sparse_shape)
     indices, values = tensor._indices(), tensor._values().contiguous()
@@ -231,9 +240,9 @@ def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncSt
         rows.ids, rows.values = rows.ids[:0], values[:0]
         rows.input_rows, rows.runs_count, rows.distinct = 0, 0, None
         rows.run_lengths = None if rows.run_lengths is None else rows.run_lengths[:0]
-    if plan.wire_dtype is not None and path.compresses and rows.values.dtype != plan.wire_dtype:
+    if wire_dtype is not None and path.compresses and rows.values.dtype != wire_dtype:
         # Rounded once here; the owners (or merges) sum in float32 and round once more for the way back.
-        rows.values = rows.values.to(plan.wire_dtype)
+        rows.values = rows.values.to(wire_dtype)
     stats.rows_local, stats.runs_local = rows.rows_k, rows.runs_count
     if path.partitions:
         # Ids, counts and perm only: the push packs the value rows through perm straight into the send

@@ -34,8 +34,8 @@ class HookConfig:
             gradient's dtype; each rank's result is the same bitwise, within
             about 2 units of the wire dtype's roundoff of the exact sum
             (``sparse_allreduce(compression=...)``). Ids and metadata stay
-            exact; "densify" and "torch" ignore it. Dense buckets are not fused
-            into the exchange then (they keep their own exact allreduce).
+            exact; "densify" and "torch" ignore it. Dense buckets stay exact,
+            fused into the exchange or not.
             Half the value bytes: for a slow link between hosts. "none" is
             read as None.
         overrides: ``{parameter name: "partitioned" | "allgather" | "densify" | "torch" | "tree" | "runs" |
@@ -82,8 +82,8 @@ class HookConfig:
             exchange (every rank sends its bucket to every rank, which sums
             them in rank order) instead of an allreduce of their own, where
             the cost model says a collective's latency is worth more than
-            the extra bytes (default True; never with ``compression`` or
-            ``sparse_compression``).
+            the extra bytes (default True; never with ``compression``; with
+            ``sparse_compression`` the fused buckets travel exact).
         tune: measure instead of trusting the model (off by default): after a
             table's first sync, try each path the model rates within 4x of
             its best (and the best) for ``tune_samples`` + 1 syncs, the first

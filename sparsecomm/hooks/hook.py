@@ -201,7 +201,9 @@ def _flush(state: SparseCommState, wait: bool = False) -> None:
         return sparse_allreduce_coalesced(tensors, group, op="avg", method=[it.method for it in items],
                                           scheme=config.scheme, local_world_size=state.local_world_size or 1,
                                           local_aggregation=config.local_aggregation, nonfinite=config.nonfinite,
-                                          stats=stats, capacity=capacity, compression=config.sparse_compression)
+                                          stats=stats, capacity=capacity,
+                                          compression=[None if it.path == DENSE_FUSED else config.sparse_compression
+                                                       for it in items])
 
     if config.overlap_sparse or state.step.eager:   # eager: every sync of the group on its worker thread
         fut = run_async(job, group=group, device=tensors[0].device)

@@ -395,8 +395,8 @@ class SparseCommState:
 
     def fuses_dense(self, buffer: torch.Tensor) -> bool:
         """Should this dense bucket ride in the step's sparse exchange? (Same answer on every rank.)"""
-        if not self.config.fuse_dense or self.config.compression is not None or self.config.sparse_compression \
-                or buffer.dtype not in _FUSABLE:
+        # With sparse_compression the fused bucket stays exact (the call compresses per tensor).
+        if not self.config.fuse_dense or self.config.compression is not None or buffer.dtype not in _FUSABLE:
             return False
         n, nbytes = self.world_size, buffer.numel() * buffer.element_size()
         extra = (n - 1) * nbytes - ring_allreduce_bytes(buffer.numel(), buffer.element_size(), n)
