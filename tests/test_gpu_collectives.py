@@ -38,7 +38,7 @@ def _collective_worker(rank, world):
     dev = torch.device("cuda", torch.cuda.current_device())
     ref = sum(_grad(r, "cpu", torch.float64).to_dense() for r in range(world))
     out = {}
-    for method in ("partitioned", "allgather", "densify"):
+    for method in ("partitioned", "allgather", "densify", "runs"):
         for dtype in (torch.float32, torch.float64, torch.bfloat16):
             res = sparsecomm.sparse_allreduce(_grad(rank, dev, dtype), method=method)
             assert res.device == dev and res.dtype == dtype
@@ -53,7 +53,7 @@ def _collective_worker(rank, world):
 
 @pytest.mark.parametrize("world,backend", [(2, "gloo"), (1, "nccl")])
 def test_sparse_allreduce_on_cuda_tensors(world, backend):
-    assert all(v == 9 for v in run_ranks(world, _collective_worker, backend=backend).values())
+    assert all(v == 12 for v in run_ranks(world, _collective_worker, backend=backend).values())
 
 
 class Net(nn.Module):
