@@ -5,11 +5,13 @@ repeated for each of its ids), plus inputs without runs, empty ranks, -0.0/0.0
 and NaN rows; and peers that lie about their runs.
 """
 
+import copy
 import hashlib
 
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm.collectives import sync_plan
@@ -266,3 +268,29 @@ def _nodes_worker(rank, world):
 def test_runs_beside_two_level_tensors():
     results = run_ranks(4, _nodes_worker)
     assert all(results[r] == results[0] for r in results)
+
+
+def _empty_step_worker(rank, world):
+    # Rank 1 looks up nothing in odd steps: its gradient has no ids and no runs; sum losses, as DDP averages.
+    torch.manual_seed(0)
+    base = _Bags()
+    single, ours = copy.deepcopy(base), DDP(copy.deepcopy(base))
+    sparsecomm.register(ours, overrides={"bag.weight": "runs"})
+    opts = [torch.optim.SGD(ours.parameters(), lr=0.05), torch.optim.SGD(single.parameters(), lr=0.05)]
+
+    def data(r, step):
+        x, y = _bag_data(r, step)
+        return (x[:0], y[:0]) if r == 1 and step % 2 else (x, y)
+
+    for step in range(4):
+        whole = tuple(torch.cat(z) for z in zip(*[data(r, step) for r in range(world)]))
+        for model, opt, (x, y), scale in ((ours, opts[0], data(rank, step), 1.0), (single, opts[1], whole, 1 / world)):
+            opt.zero_grad()
+            (((model(x) - y) ** 2).sum() * scale).backward()
+            opt.step()
+    return max(float((a - b).abs().max()) for a, b in zip(ours.module.parameters(), single.parameters()))
+
+
+def test_hook_runs_with_a_rank_that_looks_up_nothing():
+    for diff in run_ranks(2, _empty_step_worker).values():
+        assert diff < 1e-5
