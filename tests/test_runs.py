@@ -294,3 +294,17 @@ def _empty_step_worker(rank, world):
 def test_hook_runs_with_a_rank_that_looks_up_nothing():
     for diff in run_ranks(2, _empty_step_worker).values():
         assert diff < 1e-5
+
+
+def test_edge_inputs_of_run_finding_and_pricing():
+    # Zero-width rows are one run; an offset view whose bytes do not align to wide words still works.
+    assert sync_plan._runs(torch.zeros(4, 0))[1].tolist() == [4]
+    base = torch.arange(13, dtype=torch.float16)
+    view = base[1:].view(6, 2)     # storage offset 2 bytes: no int32/int64 view of it
+    view[1] = view[0]
+    rows, lengths = sync_plan._runs(view)
+    assert lengths.tolist() == [2, 1, 1, 1, 1] and torch.equal(rows.repeat_interleave(lengths.long(), 0), view)
+    # Only the runs path without counts: refused with a reason, not an empty min().
+    with pytest.raises(ValueError, match="can be priced"):
+        choose_method(2, 1000, 4, 4, 4, 10, 20, allowed=[SyncMethod.RUNS], fitted=False,
+                      link=LinkProbe(1e-4, 1e8))

@@ -50,9 +50,9 @@ class LinkProbe:
             gloo's ring hops (torch's sparse all_reduce, the tree's stages)
             pay; None: priced as ``latency_s``.
         merge_s_per_byte: seconds a rank takes to sort and sum one byte of
-            value rows (``ops.coalesce_rows`` on rows with repeated ids, where
-            the gradients live): the price of a path's merged rows; 0: not
-            measured (merges not priced).
+            value rows (``ops.coalesce_rows`` on rows with repeated ids, on
+            the device the exchange receives on): the price of a path's
+            merged rows; 0: not measured (merges not priced).
     """
 
     latency_s: float
@@ -171,7 +171,7 @@ def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torc
     here: an idle pair exchange took ~0.1 of an 8-rank all-to-all, a hop
     inside torch's ring ~0.2-0.3, and the classifier then took torch or the
     tree where allgather was up to 2.2x faster (docs/DESIGN.md). And, on
-    ``device``, the seconds per value byte of a merge (``merge_s_per_byte``).
+    the exchange's device, the seconds per value byte of a merge (``merge_s_per_byte``).
     """
     n = dist.get_world_size(group)
     if n == 1:
@@ -186,7 +186,7 @@ def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torc
     # (every rank knows the same: the transport is chosen alike everywhere).
     split = dev.type == "cpu" and shm.active(group)
     backend = _time_allreduce(group, dev, 3 * repeats) if split else 0.0
-    merge = _time_merge(torch.device(device), 3 * repeats)
+    merge = _time_merge(dev, 3 * repeats)   # where the received rows are summed
     numbers = torch.tensor([tiny, large, pair, backend, merge], dtype=torch.float64, device=dev)
     dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
     tiny, large, pair, backend, merge = numbers.tolist()

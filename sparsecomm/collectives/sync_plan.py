@@ -163,7 +163,7 @@ class TensorRows:
     status: WireStatus = WireStatus.OK
     part: Optional[ops.Partition] = None
     input_rows: int = 0                          # n: rows of the input (ids before coalescing)
-    runs_count: int = 0                          # m: runs of equal consecutive input rows
+    runs_count: Union[int, torch.Tensor] = 0     # m: runs of equal consecutive input rows (a tensor until sent)
     distinct: Optional[int] = None               # k when ``ids`` are not coalesced (the runs path)
     run_lengths: Optional[torch.Tensor] = None   # the runs path: ids per run (``values`` holds one row per run)
 
@@ -228,7 +228,7 @@ def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncSt
         rows.values, rows.run_lengths = _runs(values)
         rows.runs_count, rows.distinct = rows.run_lengths.shape[0], int(torch.unique(rows.ids).numel())
     else:
-        rows.runs_count = _first_value_runs(values)  # to price the runs path (at most its runs)
+        rows.runs_count = _first_value_runs(values)  # to price the runs path; read with the metadata
         try:
             # The kernel checks [0, num_rows) in its pass over the ids: no extra scan, no host sync.
             rows.ids, rows.values = ops.coalesce_rows(rows.ids, values, num_rows)
@@ -243,7 +243,7 @@ def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncSt
     if wire_dtype is not None and path.compresses and rows.values.dtype != wire_dtype:
         # Rounded once here; the owners (or merges) sum in float32 and round once more for the way back.
         rows.values = rows.values.to(wire_dtype)
-    stats.rows_local, stats.runs_local = rows.rows_k, rows.runs_count
+    stats.rows_local = rows.rows_k
     if path.partitions:
         # Ids, counts and perm only: the push packs the value rows through perm straight into the send
         # buffer (exchange.Gathered), so permuted rows are never written anywhere else.
@@ -253,11 +253,14 @@ def prepare(tensor: torch.Tensor, path: Any, plan: SyncPlan, stats: SparseSyncSt
 
 
 def _row_words(values: torch.Tensor) -> torch.Tensor:
-    """``(n, w)`` integer words holding each row's bytes (the widest integer dtype that divides a row)."""
-    flat = values.reshape(values.shape[0], -1)
-    nbytes = flat.shape[1] * flat.element_size()
+    """``(n, w)`` integer words holding each row's bytes (the widest integer dtype that divides a row and
+    the storage offset; zero-width rows give ``(n, 0)``)."""
+    flat = values.reshape(values.shape[0], math.prod(values.shape[1:])).contiguous()
+    nbytes, offset = flat.shape[1] * flat.element_size(), flat.storage_offset() * flat.element_size()
+    if nbytes == 0:
+        return torch.empty((flat.shape[0], 0), dtype=torch.uint8, device=flat.device)
     for dtype in (torch.int64, torch.int32, torch.int16):
-        if nbytes % dtype.itemsize == 0 and dtype.itemsize >= flat.element_size():
+        if nbytes % dtype.itemsize == 0 and offset % dtype.itemsize == 0 and dtype.itemsize >= flat.element_size():
             return flat.view(dtype)
     return flat.view(torch.uint8)
 
@@ -279,13 +282,17 @@ def _runs(values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return values.index_select(0, first), (ends - first).to(torch.int32)
 
 
-def _first_value_runs(values: torch.Tensor) -> int:
-    """Runs of consecutive rows whose first values are bitwise equal: at most the runs, cheap to count."""
+def _first_value_runs(values: torch.Tensor) -> Union[int, torch.Tensor]:
+    """Runs of consecutive rows whose first values are bitwise equal: at most the runs, cheap to count.
+
+    A 0-dim tensor where there is something to count, read with the metadata's one host sync
+    (``sync_wire.message``), so a CUDA call does not wait here.
+    """
     n = values.shape[0]
     if n < 2 or values[0].numel() == 0:
         return min(n, 1)
     first = _row_words(values.reshape(n, -1)[:, :1].contiguous())[:, 0]
-    return 1 + int(torch.ne(first[1:], first[:-1]).sum())
+    return torch.ne(first[1:], first[:-1]).sum() + 1
 
 
 def _indices_in_range(indices: torch.Tensor, sparse_shape: Sequence[int]) -> bool:

@@ -129,7 +129,14 @@ def message(tensors: List[TensorRows], plan: SyncPlan) -> List[int]:
     """This rank's metadata for every tensor of the call (one host sync for all push counts)."""
     n = plan.world_size
     counts = [t.part.counts for t in tensors if t.part is not None]
-    flat_counts = torch.stack(counts).tolist() if counts else []
+    lazy = [t for t in tensors if isinstance(t.runs_count, torch.Tensor)]  # the cheap runs counts, not yet read
+    words = torch.cat([c.reshape(-1).to(torch.int64) for c in counts]
+                      + [t.runs_count.reshape(1).to(torch.int64) for t in lazy]).tolist() if counts or lazy else []
+    flat_counts = [words[i * n:(i + 1) * n] for i in range(len(counts))]
+    for t, m in zip(lazy, words[len(counts) * n:]):
+        t.runs_count = m
+    for t in tensors:
+        t.stats.runs_local = t.runs_count
     out: List[int] = []
     it = iter(flat_counts)
     for t in tensors:
@@ -160,7 +167,8 @@ def check(records: List[Record], t: TensorRows, plan: SyncPlan) -> Peers:
     push = [list(rec.push) for rec in records]
     for r, rec in enumerate(records):
         # k distinct rows of n input rows in m runs: 0 <= k <= min(n, V), m <= n, none of them without the others.
-        bad = not 0 <= k[r] <= min(num_rows, rec.ids) or rec.ids > MAX_IDS or rec.status != WireStatus.OK
+        bad = not 0 <= k[r] <= min(num_rows, rec.ids) or (t.path.runs and rec.ids > MAX_IDS) \
+            or rec.status != WireStatus.OK
         bad = bad or not 0 <= rec.runs <= rec.ids or (rec.ids > 0) != (rec.runs > 0) or (rec.ids > 0) != (k[r] > 0)
         if t.part is not None:
             bad = bad or min(push[r]) < 0 or sum(push[r]) != k[r]

@@ -149,6 +149,9 @@ def choose_method(world_size: int, num_rows: int, row_elems: int, elem_bytes: in
         return Decision(best, reason, est)
     cost = method_costs(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows,
                         allowed, latency_bytes, link, lws, union_node, local_aggregation, runs=runs)
+    if not cost:
+        raise ValueError(f"choose_method: none of {[m.value for m in allowed]} can be priced "
+                         f"(the runs path needs runs=InputRuns(...))")
     best = min(cost, key=lambda m: (cost[m], _order(m)))
     if link is not None:
         other = f", other collectives {link.other_latency_s * 1e3:.3g} ms" if link.backend_latency_s is not None \

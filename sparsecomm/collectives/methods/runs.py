@@ -51,11 +51,11 @@ LENGTH_BYTES = 4   # a run's length travels as int32
 
 def host_bytes(w: Workload, hosts: int, lws: int, union_node: float) -> float:
     """L (N-L) (n i + m (d b + 4)): a host's L ranks each send their ids and runs to the N-L ranks of other hosts."""
+    if w.runs is None:
+        return math.inf   # not measured: not priced
     n = hosts * lws
     if n <= 1 or hosts <= 1:
         return 0.0
-    if w.runs is None:
-        return math.inf   # not measured: not priced
     per_rank = w.runs.ids_mean * w.index_bytes + w.runs.runs_mean * (w.row_elems * w.elem_bytes + LENGTH_BYTES)
     return lws * (n - lws) * per_rank
 
