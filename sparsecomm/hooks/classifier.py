@@ -206,22 +206,20 @@ def method_costs(world_size: int, num_rows: int, row_elems: int, elem_bytes: int
     A method it cannot price (the runs path without ``runs``) is left out.
     """
     lws = host_layout(world_size, ranks_per_host)
+    w = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows_, lws,
+                  union_node, local_aggregation, runs)
+    paths = {m: path_of(m, world_size, lws, local_aggregation) for m in allowed}
     if link is not None:
         # Latency, and the rows a rank sorts and sums at the measured price (the runs path merges N n rows).
-        w = _workload(world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean, union_rows_, lws,
-                      union_node, local_aggregation, runs)
         merge = link.merge_s_per_byte * row_elems * elem_bytes
         fixed = {m: latency_seconds(m, world_size, link.latency_s, link.hop_latency_s, lws, local_aggregation,
-                                    link.other_latency_s)
-                 + merge * path_of(m, world_size, lws, local_aggregation).merged_rows(w)
-                 for m in allowed}
+                                    link.other_latency_s) + merge * p.merged_rows(w)
+                 for m, p in paths.items()}
         bps = link.bytes_per_s
     else:
         fixed = {m: collectives(m, world_size, lws, local_aggregation) * latency_bytes for m in allowed}
         bps = 1.0
-    cost = {m: fixed[m] + bottleneck_bytes(m, world_size, num_rows, row_elems, elem_bytes, index_bytes, rows_mean,
-                                           union_rows_, lws, union_node, local_aggregation, runs) / bps
-            for m in allowed}
+    cost = {m: fixed[m] + p.link_bytes(w) / bps for m, p in paths.items()}
     return {m: c for m, c in cost.items() if math.isfinite(c)}
 
 

@@ -32,6 +32,7 @@ table, else every rank (all received the same bytes) raises ``ValueError``.
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import List, Sequence, Tuple
 
 import torch
@@ -71,10 +72,10 @@ def _check_lengths(lengths: torch.Tensor, p: Peers) -> None:
     if lengths.numel() == 0:
         return
     ends = torch.cumsum(lengths.to(torch.int64), 0)
-    last = torch.tensor([sum(p.runs[:r + 1]) - 1 for r in range(len(p.runs)) if p.runs[r]], dtype=torch.int64,
-                        device=lengths.device)
-    want = torch.tensor([sum(p.ids[:r + 1]) for r in range(len(p.ids)) if p.runs[r]], dtype=torch.int64,
-                        device=lengths.device)
+    # Per rank with runs: the index of its last run, and the ids covered up to and including it.
+    sent = [(r_end - 1, i_end) for r_end, i_end, m in zip(accumulate(p.runs), accumulate(p.ids), p.runs) if m]
+    last = torch.tensor([r for r, _ in sent], dtype=torch.int64, device=lengths.device)
+    want = torch.tensor([i for _, i in sent], dtype=torch.int64, device=lengths.device)
     if int(lengths.min()) < 1 or not torch.equal(ends.index_select(0, last), want):
         raise ValueError("sparse_allreduce: a peer sent run lengths that do not cover its ids "
                          "(inconsistent data between ranks)")
