@@ -200,6 +200,10 @@ CASES = [
     ("errors-intact-auto", _short_trial(2, _errors_intact), ()),
     ("static-graph-auto", _short_trial(2, _static_graph), ({},)),
     ("no-sync-auto", _short_trial(2, _accumulate), (None, False)),
+    # The bag table on the runs path (ids as they are, each bag's row once).
+    ("static-graph-runs", _static_graph, ({"overrides": {"b.weight": "runs"}},)),
+    ("join-runs", _join, ({"overrides": {"b.weight": "runs"}}, 2)),
+    ("no-sync-runs", _accumulate, (None, False, {"overrides": {"b.weight": "runs"}})),
 ]
 
 
@@ -222,6 +226,7 @@ def test_static_graph_join_and_errors_match_plain_ddp(world):
         # 'auto' switching modes mid-run, every rank alike (a joined one too): the same results and errors.
         assert res["join-auto"] < TOL and res["static-graph-auto"] < TOL and res["no-sync-auto"] < TOL
         assert len(res["errors-intact-auto"]) == 1 and "NaN" in res["errors-intact-auto"][0]
+        assert res["static-graph-runs"] < TOL and res["join-runs"] < TOL and res["no-sync-runs"] < TOL
 
 
 def _dead_peer(rank, world):
