@@ -396,13 +396,27 @@ def test_e2e_on_one_host_every_method_right(tmp_path):
     assert out.returncode == 0, _fail(out)
     rows = [r for r in _rows(js) if not r.get("skipped")]
     ours = {"ddp", "register", "register_fused", "register_eager", "register_bf16", "parallelize",
-            "parallelize_bf16", "parallelize_plan", "sharded"}
+            "parallelize_bf16", "parallelize_plan", "sharded", "table_wise"}
     assert {r["method"] for r in rows} in (ours, ours | {"torchrec_dmp"})  # TorchRec where it is installed
     assert all(r["#wrong"] == 0 and r["hosts"] == "" and r["link_floor_ms"] == "" for r in rows)
     # The hook as a user calls it ran its eager/fused trial to a decision; the held modes ran none.
     kept = {r["method"]: r.get("kept") for r in rows}
     assert kept["register"] in ("eager", "fused") and kept["register_bf16"] in ("eager", "fused")
     assert not kept.get("register_fused") and not kept.get("register_eager")
+
+
+def test_e2e_methods_picks_the_contenders_and_table_wise_places_every_table_whole(tmp_path):
+    js = tmp_path / "e2e.json"
+    out, bad = _bench_at_once([["e2e", "--nproc", "2", *TINY_E2E, "--methods", "table_wise", "--json", str(js)],
+                               ["e2e", "--nproc", "2", *TINY_E2E, "--methods", "table_wise,nope"]], timeout=300)
+    assert out.returncode == 0, _fail(out)
+    rows = _rows(js)
+    assert [r["method"] for r in rows] == ["ddp", "table_wise"] and all(r["#wrong"] == 0 for r in rows)
+    # Both tables whole, the larger on rank 0 and the other on rank 1: a rank holds one of them, not both.
+    assert "shard (table: rank 0)" in out.stdout and "shard (table: rank 1)" in out.stdout, out.stdout
+    memory = {r["method"]: r["MB_per_rank"] for r in rows}
+    assert memory["table_wise"] < memory["ddp"]
+    assert bad.returncode == 2 and "unknown method(s) ['nope']" in bad.stderr, _fail(bad)
 
 
 def test_migrate_moves_whole_and_stale_to_the_same_bits(tmp_path):
@@ -432,7 +446,7 @@ def test_e2e_across_two_emulated_hosts(tmp_path):
     out = _bench(["e2e", "--hosts", "2", "--rate", "1gbit", *TINY_E2E, "--json", str(js)], timeout=300)
     assert out.returncode == 0, _fail(out)
     rows = [r for r in _rows(js) if not r.get("skipped")]
-    assert len(rows) in (9, 10) and all(r["#wrong"] == 0 and r["hosts"] == "2x1" and r["rate"] == "1gbit"
+    assert len(rows) in (10, 11) and all(r["#wrong"] == 0 and r["hosts"] == "2x1" and r["rate"] == "1gbit"
                                        for r in rows)
     # The link floor adds the bytes each method must move at 1 Gbit/s to the compute floor.
     moved = {r["method"]: r["MB_moved"] for r in rows}

@@ -175,6 +175,27 @@ def case_one_all_to_all_fewer(rank, world):
     return True
 
 
+def case_growing_rounds_keep_their_count(rank, world):
+    """Rounds whose ids grow a little every step (within the padded capacity) still take two all-to-alls each:
+    the first one's width follows the round's capacity, so no rank resends its request at a larger width."""
+    if world == 1:
+        return True
+    t = table("never")
+    o = OPTS["rowwise"](t, True)
+    g = torch.Generator().manual_seed(rank)
+    counts = []
+    for step in range(12):
+        n = 16 + 3 * step   # +3 ids a step: the capacity (last largest + 1/8 + 8) holds them, and grows
+        ids = torch.randperm(V, generator=g)[:n]
+        before = all_to_all_calls()
+        t(ids, torch.arange(0, n, 2)).sum().backward()
+        o.step()
+        counts.append(all_to_all_calls() - before)
+    sh.flush(t)
+    assert counts[3:] == [2] * 9, counts
+    return True
+
+
 def case_save_load_and_prefetch(rank, world, directory):
     """save/load push a pending gradient first; a prefetch pushes it before its request starts."""
     plain = loop(rank, False, "rowwise")
@@ -242,6 +263,7 @@ def _worker(rank, world, directory):
     return run_cases(rank, world, (("equal", case_defer_equals_fused, ()),
                                    ("in_step", case_defer_in_step_equals_immediate, ()),
                                    ("fewer", case_one_all_to_all_fewer, ()),
+                                   ("growing", case_growing_rounds_keep_their_count, ()),
                                    ("summed", case_summed_fused_like_step, ()),
                                    ("checkpoint", case_save_load_and_prefetch, (directory,)),
                                    ("bad", case_bad_request_keeps_the_update, ())))
@@ -307,6 +329,11 @@ def test_summed_fused_updates_train_like_step(world):
 @pytest.mark.parametrize("world", WORLD_PARAMS)
 def test_a_deferred_step_runs_one_all_to_all_fewer(world):
     assert all(runs(world)[r]["fewer"] for r in range(world))
+
+
+@pytest.mark.parametrize("world", WORLD_PARAMS)
+def test_rounds_that_grow_within_their_capacity_send_their_request_once(world):
+    assert all(runs(world)[r]["growing"] for r in range(world))
 
 
 @pytest.mark.parametrize("world", WORLD_PARAMS)

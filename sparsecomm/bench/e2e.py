@@ -42,6 +42,8 @@ from the next method in turn, so none always follows plain DDP's transfer):
   optimizers when that is predicted faster, the rest replicated under the hook);
 - ``sharded``: ``parallelize`` with every table of 4 MiB or more row-sharded
   by hash (``plan.override``), whatever the plan predicts;
+- ``table_wise``: ``parallelize`` with every table table-wise, the i-th
+  largest on rank i mod N (the placement TorchRec's CPU planner picks here);
 - ``floor``: one process on the per-rank batch, no communication at all.
   For a method with sharded tables, the floor's step minus (N-1)/N of its
   optimizer time (the owners' share of the update).
@@ -100,7 +102,8 @@ from sparsecomm.cost_model import sharded_floor_bytes
 from sparsecomm.sharded.combined import build_optimizer
 from sparsecomm.synthetic import zipf_ids
 
-METHODS = ("ddp", "register", "register_fused", "register_eager", "parallelize", "parallelize_plan", "sharded")
+METHODS = ("ddp", "register", "register_fused", "register_eager", "parallelize", "parallelize_plan", "sharded",
+           "table_wise")
 LOSSY = ("register_bf16", "parallelize_bf16")   # compared, checked against the same tolerance, left out of the verdict
 PHASES = ("forward", "backward", "optimizer", "step")
 # Adagrad starts its accumulators at 0.1 (as DLRM setups do): a first step of lr * g / |g| would make the
@@ -168,10 +171,12 @@ def _dmp_types() -> tuple:
 _DMP_TYPES = _dmp_types()
 
 
-def _methods(optimizer: str) -> Sequence[str]:
-    """The contenders of this run: TorchRec's only where it is installed and has the optimizer."""
+def _methods(optimizer: str, wanted: Optional[str] = None) -> Sequence[str]:
+    """The contenders of this run (``--methods``, plain DDP always): TorchRec's only where it runs the optimizer."""
     lossy = LOSSY if optimizer in ("sgd", "adagrad") else ()
-    return METHODS + lossy + (() if e2e_torchrec.missing(optimizer) else ("torchrec_dmp",))
+    every = METHODS + lossy + (() if e2e_torchrec.missing(optimizer) else ("torchrec_dmp",))
+    keep = set(wanted.split(",")) | {"ddp"} if wanted else set(every)
+    return tuple(m for m in every if m in keep)
 
 
 def reference_optimizer(model: DLRM, name: str) -> torch.optim.Optimizer:
@@ -218,7 +223,7 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
 
     runs: Dict[str, Dict[str, Any]] = {}
     plans: Dict[str, str] = {}
-    for method in _methods(optimizer) + ("floor",):
+    for method in _methods(optimizer, a.methods) + ("floor",):
         model, opt, plans[method] = _build(method, copy.deepcopy(base), a, rows, optimizer)
         runs[method] = dict(model=model, opt=opt, times={p: [] for p in PHASES},
                             bytes=_bytes_moved(method, model, batches, rows, a))
@@ -261,7 +266,7 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
                 trials={m: r["trial"] for m, r in runs.items() if "trial" in r},
                 memory={m: (e2e_torchrec.memory_bytes(r["model"], r["opt"]) if m == "torchrec_dmp" else
                             memory_bytes(r["model"], r["opt"])) for m, r in runs.items()}, wrong=wrong,
-                plan=plans["parallelize"], plans=plans, bytes={m: r["bytes"] for m, r in runs.items()},
+                plan=plans.get("parallelize", ""), plans=plans, bytes={m: r["bytes"] for m, r in runs.items()},
                 sharded={m: m == "torchrec_dmp" or bool(sparsecomm.sharded.sharded_modules(
                     getattr(r["model"], "module", r["model"]))) for m, r in runs.items()})
 
@@ -340,12 +345,14 @@ def _build(method: str, model: nn.Module, a: argparse.Namespace, rows: Sequence[
         compression = "bf16" if method == "parallelize_bf16" else None
         model, opt = sparsecomm.parallelize(model, cls, sparse_compression=compression, **kw)
         return model, opt, str(getattr(getattr(model, "module", model), "sparsecomm_plan", ""))
-    if method in ("parallelize_plan", "sharded"):
+    if method in ("parallelize_plan", "sharded", "table_wise"):
         plan = sparsecomm.plan(model, make_batch(a, rows, 0, dist.get_rank()), optimizer=cls)
-        if method == "sharded":
-            for name, t in plan.tables.items():
-                if t.memory_replicated >= 4 << 20:
-                    plan.override(name, "shard", "hash")
+        by_size = sorted(plan.tables.items(), key=lambda kv: -kv[1].memory_replicated)
+        for i, (name, t) in enumerate(by_size):
+            if method == "table_wise":
+                plan.override(name, "shard", "table", owner=i % dist.get_world_size())
+            elif method == "sharded" and t.memory_replicated >= 4 << 20:
+                plan.override(name, "shard", "hash")
         model, opt = sparsecomm.parallelize(model, cls, plan=plan, **kw)
         return model, opt, str(plan)
     return model, reference_optimizer(model, optimizer), ""
@@ -398,16 +405,19 @@ def body(a: argparse.Namespace) -> List[Row]:
             continue
         if optimizer == a.optimizers.split(",")[0]:
             print(mine["plan"], flush=True)
+            if "table_wise" in mine["plans"]:
+                print("# table_wise's plan:\n" + mine["plans"]["table_wise"], flush=True)
             for t in mine["trials"].values():
                 print(t["report"], flush=True)
             if "torchrec_dmp" in mine["plans"]:
                 print("# TorchRec's own plan:\n" + mine["plans"]["torchrec_dmp"], flush=True)
-        med = {m: {p: max(e["medians"][m][p] for e in everyone) for p in PHASES} for m in _methods(optimizer) + ("floor",)}
+        methods = _methods(optimizer, a.methods)
+        med = {m: {p: max(e["medians"][m][p] for e in everyone) for p in PHASES} for m in methods + ("floor",)}
         floor = med["floor"]["step"]
         floor_sharded = floor - (n - 1) / n * med["floor"]["optimizer"]
         link = emulated_link()
         where = {"hosts": f"{link[0]}x{link[1]}" if link else "", "rate": link[2] if link else ""}
-        for m in _methods(optimizer):
+        for m in methods:
             step = med[m]["step"]
             compute = floor_sharded if mine["sharded"][m] else floor
             moved = max(e["bytes"][m] for e in everyone)
@@ -420,7 +430,7 @@ def body(a: argparse.Namespace) -> List[Row]:
                 "forward_ms": 1e3 * med[m]["forward"], "backward_ms": 1e3 * med[m]["backward"],
                 "optimizer_ms": 1e3 * med[m]["optimizer"],
                 "#wrong": max(e["wrong"][m] for e in everyone), **_trial_columns(mine["trials"].get(m), step)}))
-        if e2e_torchrec.missing(optimizer):
+        if e2e_torchrec.missing(optimizer) and "torchrec_dmp" in (a.methods or "torchrec_dmp"):
             out.append(Row({"world": n, **where, "optimizer": optimizer, "method": "torchrec_dmp",
                             "skipped": e2e_torchrec.missing(optimizer)}))
         progress(f"e2e: world {n} {optimizer} done")
@@ -457,12 +467,17 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--bag", type=int, default=8, help="ids per sample and table (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=1.1, help="Zipf exponent of the ids (default: %(default)s)")
     add_optimizers_arg(p, "sgd,adagrad")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated contenders to run (plain DDP always runs; default: all of them)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     p.add_argument("--tolerance", type=float, default=1e-4, help="of the float64 check (default: %(default)s)")
     add_launch_args(p)
     a = p.parse_args(argv)
     check_optimizers(p, a)
+    unknown = set((a.methods or "").split(",")) - set(METHODS + LOSSY + ("torchrec_dmp", ""))
+    if unknown:
+        p.error(f"--methods: unknown method(s) {sorted(unknown)}")
     if a.warmup < 1:
         p.error("--warmup must be at least 1 (the checked step)")
     return run_distributed("e2e", argv, a, body, "end-to-end DLRM-like training (slowest rank's medians)",

@@ -32,9 +32,11 @@ from sparsecomm.types import SparseSyncStats
 __all__ = ["TableRequest", "PooledRequest", "Routes", "Carry", "PendingRequest", "request_rows", "start_request",
            "finish_request", "exchange_blocks"]
 
-# Per group, the columns of the first all-to-all of the next round: the same on every rank (the largest
-# width any rank needed last round), so a round costs one all-to-all while its needs do not grow.
-_MESSAGE_WIDTH: Dict[Any, int] = {}
+# Per group, what the first all-to-all of the next round sends: the same on every rank. The largest width any
+# rank needed last round, and of it the columns before the padded ids (that width less that round's capacity):
+# a round sends at least those plus its own capacity (equal on every rank), so it costs one all-to-all while
+# its table count does not change, even when its capacity grew.
+_MESSAGE_WIDTH: Dict[Any, Tuple[int, int]] = {}
 
 
 class PooledRequest(NamedTuple):
@@ -247,7 +249,8 @@ def start_request(requests: Sequence[TableRequest], status: InputStatus, *, roun
         ids = torch.split(r.ids_by_owner.to(torch.int64), c)
         p.pieces.append([torch.cat([ids[j], r.pooled.words[j].to(ids[j].device)]) if r.pooled is not None
                          else ids[j] for j in range(n)])
-    p.width = _MESSAGE_WIDTH.get(id(group), META_HEAD)
+    need, row_part = _MESSAGE_WIDTH.get(id(group), (META_HEAD, 0))
+    p.width = max(need, row_part + capacity) if row_part else need
     padded = [torch.cat([pieces[j] for pieces in p.pieces]) for j in range(n)] if capacity else None
     p.message = encode_message(row, padded, n, p.width)
     _send_meta(p, async_op, carry)
@@ -318,7 +321,7 @@ def _received_rows(p: PendingRequest) -> Tuple[torch.Tensor, List[MetaHeader]]:
         p.width = need
         p.message = widen(p.message, need)
         (received,) = all_to_all_rows([p.message], [1] * p.n, [1] * p.n, p.group, p.device, p.stats)
-    _MESSAGE_WIDTH[id(p.group)] = need
+    _MESSAGE_WIDTH[id(p.group)] = (need, need - p.capacity)
     received = received.cpu()
     return received, decode_headers(received)
 
