@@ -13,6 +13,7 @@ from sparsecomm.hooks import HookConfig, SparseCommState, register, sparsecomm_h
 from sparsecomm.planner import Plan, TablePlan, plan
 from sparsecomm.parallel import parallelize
 from sparsecomm.replan import replan
+from sparsecomm.pipeline import Pipeline, pipeline
 from sparsecomm.trial import TrialConfig
 from sparsecomm.sharded.combined import ParallelOptimizer
 from sparsecomm.sharded import ShardedAdagrad, ShardedAdam, ShardedEmbedding, ShardedEmbeddingBag, ShardedSGD
@@ -23,7 +24,7 @@ __all__ = [
     "ops", "init_distributed", "shutdown", "topology",
     "sparse_allreduce", "sparse_allreduce_coalesced", "last_stats", "SparseSyncStats", "SyncMethod", "PartitionScheme", "Topology",
     "register", "sparsecomm_hook", "SparseCommState", "HookConfig",
-    "plan", "Plan", "TablePlan", "parallelize", "replan", "TrialConfig", "ParallelOptimizer",
+    "plan", "Plan", "TablePlan", "parallelize", "replan", "pipeline", "Pipeline", "TrialConfig", "ParallelOptimizer",
     "sharded", "ShardedEmbedding", "ShardedEmbeddingBag", "ShardedSGD", "ShardedAdagrad", "ShardedAdam",
     "__version__",
 ]

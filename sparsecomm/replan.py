@@ -353,9 +353,8 @@ def _regroup(inner: nn.Module, old_sets: Sequence[Any], plan: Plan) -> None:
 def _wrap(model: nn.Module, inner: nn.Module, process_group, n: int, ddp_kwargs, hook_options) -> nn.Module:
     """DDP around the model's replicated parameters, with the sparsecomm hook (as ``parallelize`` wraps).
 
-    A DDP model is built again in place (``DistributedDataParallel.__init__``
-    on the same object: a new reducer over the new parameters), so whoever
-    holds the model keeps a valid one. The replicas are already equal on
+    A DDP model is built again in place (``DistributedDataParallel.__init__`` on the same object: a new reducer
+    over the new parameters), so whoever holds the model keeps a valid one. The replicas are already equal on
     every rank (the moves made them so), so DDP's initial broadcast is skipped.
     """
     old_state = getattr(inner, "sparsecomm_state", None)
@@ -367,10 +366,9 @@ def _wrap(model: nn.Module, inner: nn.Module, process_group, n: int, ddp_kwargs,
     kwargs = {"init_sync": False, **(ddp_kwargs or {})}
     replicated = [p for p in inner.parameters() if p.requires_grad]
     inner.sparsecomm_state = None
-    unused = getattr(inner, "_sparsecomm_unused_hook", None)
+    unused, inner._sparsecomm_unused_hook = getattr(inner, "_sparsecomm_unused_hook", None), None
     if unused is not None:   # it lists the replicas of its time: the next hook installs one for the current ones
         unused.remove()
-        inner._sparsecomm_unused_hook = None
     if n == 1 or not replicated:
         return inner
     if isinstance(model, DDP):
@@ -457,8 +455,8 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
         ReplanBusy: (a ``ValueError``) on every rank, before anything
             changes: the model is mid-step on every rank that refused:
             gradients are pending (between backward and ``step()``, as in
-            gradient accumulation), lookups are open, a prefetched round or a
-            round awaiting its backward is pending.
+            gradient accumulation), lookups are open, a round prefetched by hand
+            or awaiting its backward is pending (a pipeline's is ended unused).
         ValueError: on every rank, before anything changes: the plan names
             tables the model does not have (or misses some), a table cannot be
             sharded, the optimizer is not the model's, a table would change its
@@ -484,8 +482,10 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
     inner.sparsecomm_plan = new_plan
     if not moves:
         return model, optimizer
-    flush(inner)   # open rounds run, deferred gradients land: the shards hold every update
     old_sets = list({id(t.table_set): t.table_set for _, t in sharded_modules(inner)}.values())
+    for s in old_sets:   # a pipeline's next round: ended unused (it asks again)
+        s.drop_prefetched()
+    flush(inner)   # open rounds run, deferred gradients land: the shards hold every update
     for name in set(stale.names() if stale is not None else ()) - usable:
         stale.drop(name)   # not held alike by every rank: of no use
     moved = [_move(inner, optimizer, name, new, process_group, stale) for name, _, new in moves]

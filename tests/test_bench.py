@@ -396,7 +396,8 @@ def test_e2e_on_one_host_every_method_right(tmp_path):
     assert out.returncode == 0, _fail(out)
     rows = [r for r in _rows(js) if not r.get("skipped")]
     ours = {"ddp", "register", "register_fused", "register_eager", "register_bf16", "parallelize",
-            "parallelize_bf16", "parallelize_plan", "sharded", "table_wise"}
+            "parallelize_bf16", "parallelize_plan", "sharded", "table_wise", "parallelize_pipelined",
+            "table_wise_pipelined"}
     assert {r["method"] for r in rows} in (ours, ours | {"torchrec_dmp"})  # TorchRec where it is installed
     assert all(r["#wrong"] == 0 and r["hosts"] == "" and r["link_floor_ms"] == "" for r in rows)
     # The hook as a user calls it ran its eager/fused trial to a decision; the held modes ran none.
@@ -446,7 +447,7 @@ def test_e2e_across_two_emulated_hosts(tmp_path):
     out = _bench(["e2e", "--hosts", "2", "--rate", "1gbit", *TINY_E2E, "--json", str(js)], timeout=300)
     assert out.returncode == 0, _fail(out)
     rows = [r for r in _rows(js) if not r.get("skipped")]
-    assert len(rows) in (10, 11) and all(r["#wrong"] == 0 and r["hosts"] == "2x1" and r["rate"] == "1gbit"
+    assert len(rows) in (12, 13) and all(r["#wrong"] == 0 and r["hosts"] == "2x1" and r["rate"] == "1gbit"
                                        for r in rows)
     # The link floor adds the bytes each method must move at 1 Gbit/s to the compute floor.
     moved = {r["method"]: r["MB_moved"] for r in rows}

@@ -115,6 +115,32 @@ result = [big.full_weight() if plan.sharded() else big.weight.detach().clone(), 
 ''',
         same_on_every_rank=True,
     ),
+    Snippet(  # docs/PARALLELIZE.md "The next batch's ids while this one trains"
+        marker="for batch in sparsecomm.pipeline(loader, ddp):",
+        prelude='''
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.EmbeddingBag(100_000, 16, mode="sum", sparse=True)
+        self.mlp = nn.Linear(16, 1)
+    def forward(self, b):
+        return self.mlp(self.big(b["ids"])).squeeze(1)
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(400 + RANK)
+net, losses = Net(), []
+batch0 = {"ids": torch.randint(0, 100_000, (32, 4), generator=g), "y": torch.randn(32, generator=g)}
+loader = [batch0] * 10
+
+def loss_fn(out, y):
+    loss = ((out - y) ** 2).mean()
+    losses.append(float(loss))
+    return loss
+''',
+        check='''
+assert len(losses) == 10 and losses[-1] < losses[0], losses
+''',
+    ),
     Snippet(  # README "In a DDP model: sparsecomm.register"
         marker="state = sparsecomm.register(ddp)",
         prelude=MY_MODEL + '''

@@ -44,6 +44,9 @@ from the next method in turn, so none always follows plain DDP's transfer):
   by hash (``plan.override``), whatever the plan predicts;
 - ``table_wise``: ``parallelize`` with every table table-wise, the i-th
   largest on rank i mod N (the placement TorchRec's CPU planner picks here);
+- ``parallelize_pipelined``, ``table_wise_pipelined``: the same, trained
+  through ``sparsecomm.pipeline`` (each next batch's ids sent to their owners
+  during the current step; nothing to prefetch where every table is replicated);
 - ``floor``: one process on the per-rank batch, no communication at all.
   For a method with sharded tables, the floor's step minus (N-1)/N of its
   optimizer time (the owners' share of the update).
@@ -103,7 +106,9 @@ from sparsecomm.sharded.combined import build_optimizer
 from sparsecomm.synthetic import zipf_ids
 
 METHODS = ("ddp", "register", "register_fused", "register_eager", "parallelize", "parallelize_plan", "sharded",
-           "table_wise")
+           "table_wise", "parallelize_pipelined", "table_wise_pipelined")
+# Methods trained through sparsecomm.pipeline: the next batch's ids move while the current one trains.
+PIPELINED = {"parallelize_pipelined": "parallelize", "table_wise_pipelined": "table_wise"}
 LOSSY = ("register_bf16", "parallelize_bf16")   # compared, checked against the same tolerance, left out of the verdict
 PHASES = ("forward", "backward", "optimizer", "step")
 # Adagrad starts its accumulators at 0.1 (as DLRM setups do): a first step of lr * g / |g| would make the
@@ -224,9 +229,12 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
     runs: Dict[str, Dict[str, Any]] = {}
     plans: Dict[str, str] = {}
     for method in _methods(optimizer, a.methods) + ("floor",):
-        model, opt, plans[method] = _build(method, copy.deepcopy(base), a, rows, optimizer)
+        model, opt, plans[method] = _build(PIPELINED.get(method, method), copy.deepcopy(base), a, rows, optimizer)
         runs[method] = dict(model=model, opt=opt, times={p: [] for p in PHASES},
                             bytes=_bytes_moved(method, model, batches, rows, a))
+        if method in PIPELINED:   # the same batches as every method's, one ahead (made before any timing)
+            runs[method]["pipe"] = iter(sparsecomm.pipeline(
+                [make_batch(a, rows, s, rank) for s in range(a.warmup + a.steps)], model))
     del base
 
     wrong: Dict[str, int] = {}
@@ -240,7 +248,7 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
             dist.barrier()
             t0 = time.perf_counter()
             r["opt"].zero_grad(set_to_none=True)
-            loss = loss_of(r["model"], b)
+            loss = loss_of(r["model"], next(r["pipe"]) if "pipe" in r else b)
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()

@@ -76,6 +76,7 @@ from sparsecomm.sharded.pooling import PoolingChoice
 from sparsecomm.sharded.protocol import LookupTable
 from sparsecomm.sharded.requester import TableRound, gradient_rows, pooled_request, rows_request
 from sparsecomm.sharded.round_state import DeferredPush, RoundState
+from sparsecomm.sharded.wire import from_wire, to_wire
 from sparsecomm.types import SparseSyncStats
 
 __all__ = ["TableSet", "RoundState"]
@@ -159,6 +160,7 @@ class TableSet:
         self.pooling = PoolingChoice()
         # A round whose id exchange started early (prefetch), waiting for its lookups.
         self._prefetched: Optional[RoundState] = None
+        self._droppable = False   # whether replan may end it unused (drop_prefetched)
         # Per table with hot rows: the window (round number // window) in which it last chose its hot set.
         self._hot_epoch: Dict[int, int] = {}
         # Rounds whose backward may still run (gradient enabled, graph alive): while any is, hot sets stay
@@ -177,20 +179,30 @@ class TableSet:
         self._last_step: Optional[List[bool]] = None
         self._step_backward: Optional[int] = None   # the backward whose pushes end the current step
 
-    def prefetch(self, lookups: Sequence[Lookup]) -> None:
+    def prefetch(self, lookups: Sequence[Lookup], droppable: bool = False) -> None:
         """Start the id exchange of a round now, in the background (collective: every rank prefetches alike).
 
         The round runs when exactly these lookups are submitted, in this order
         (``table(handle)`` with the handles of ``sparsecomm.sharded.prefetch``):
-        its rows are pulled then, so they include every update made in between.
+        its rows are pulled then, so they include every update made in between. ``droppable``
+        (``sparsecomm.pipeline``'s): ``replan`` ends it unused (:meth:`drop_prefetched`) instead of refusing.
         """
         self.flush()
-        if self._prefetched is not None:  # prefetched but never used: end it (every rank does the same)
-            self._finish(self._prefetched)
+        self.drop_prefetched(any_round=True)   # prefetched but never used: end it (every rank does the same)
         self.push_deferred()  # a prefetched request starts in the background: it carries no gradient rows
         state = RoundState.of(lookups)
         self._request(state, async_op=True)
-        self._prefetched = state
+        self._prefetched, self._droppable = state, droppable
+
+    def drop_prefetched(self, any_round: bool = False) -> None:
+        """End a droppable prefetched round unused (or any, with ``any_round``); collective, no-op when none."""
+        if self._prefetched is not None and (any_round or self._droppable):
+            state, self._prefetched = self._prefetched, None
+            self._finish(state)
+
+    def holds_prefetched(self, lookup: Lookup) -> bool:
+        """Whether ``lookup`` belongs to the round prefetched now (a dropped round's lookups do not)."""
+        return self._prefetched is not None and any(x is lookup for x in self._prefetched.lookups)
 
     def submit(self, lookup: Lookup) -> torch.Tensor:
         """Add a lookup to the open round; its result, or a placeholder when the set is lazy."""
@@ -333,7 +345,7 @@ class TableSet:
         self.capacity = min(_MAX_CAPACITY, routes.largest + routes.largest // 8 + 8)
         self.pooling.update(self.tables, routes.estimates, self.rounds)
         served = [serve(t, info, routes, i) for i, (t, info) in enumerate(zip(self.tables, tables))]
-        got = _from_wire(self.tables, pull_rows(_to_wire(self.tables, served), routes, self.group, self.stats))
+        got = from_wire(self.tables, pull_rows(to_wire(self.tables, served), routes, self.group, self.stats))
         rows = [g if info.hot_positions is None else torch.cat([g, t.hot.weight.index_select(0, info.hot_positions)])
                 for t, g, info in zip(self.tables, got, tables)]
         return rows, routes, tables
@@ -346,7 +358,7 @@ class TableSet:
         send = [s if p else [0] * n for s, p in zip(routes.rows_send, pushing)]
         recv = [r if p else [0] * n for r, p in zip(routes.rows_recv, pushing)]
         rows = gradient_rows(self.tables, tables, grads, pushing, send)
-        cold = _to_wire(self.tables, rows.cold)
+        cold = to_wire(self.tables, rows.cold)
         routes = routes._replace(rows_send=send, rows_recv=recv, problem=None)
         if self._defers(pushing):
             self.push_deferred()  # an earlier round's pending gradient is applied first (updates keep their order)
@@ -354,7 +366,7 @@ class TableSet:
             for t in (t for t, p in zip(self.tables, pushing) if p):
                 t.optimizer.hold(t.local_weight)
             return [None] * len(self.tables)
-        got = _from_wire(self.tables, exchange_rows(cold, routes, self.group, self.stats))
+        got = from_wire(self.tables, exchange_rows(cold, routes, self.group, self.stats))
         hot_sums = sync_hot_gradients(rows.hot, self.group, n, [t.grad_reduction == "mean" for t in rows.hot_tables],
                                       [t.stats for t in rows.hot_tables])
         out = owner_gradients(self.tables, tables, pushing, got)
@@ -392,7 +404,7 @@ class TableSet:
     def _land(self, d: DeferredPush, got: List[torch.Tensor]) -> None:
         """A deferred gradient arrived (``got``: per table, by source rank): fused optimizers apply it, the
         others take it and replay the ``step()``/``zero_grad()`` calls they held meanwhile."""
-        grads = owner_gradients(self.tables, d.tables, d.pushing, _from_wire(self.tables, got))
+        grads = owner_gradients(self.tables, d.tables, d.pushing, from_wire(self.tables, got))
         for t, g, p, opt in zip(self.tables, grads, d.pushing, d.optimizers):
             if p:
                 opt.land(t.local_weight, g)
@@ -466,7 +478,7 @@ class TableSet:
     def busy(self) -> Optional[str]:
         """Why this set's tables cannot be replaced now (``sparsecomm.replan``), or None: a prefetched round, open
         lookups, or a round whose backward has not run."""
-        if self._prefetched is not None:
+        if self._prefetched is not None and not self._droppable:
             return "a prefetched round is pending (look its handles up first)"
         if self._open:
             return "lookups are open (their round has not run)"
@@ -478,18 +490,6 @@ class TableSet:
         """Run the open round and push a pending deferred gradient (collective): the shards hold every update."""
         self.flush()
         self.push_deferred()
-
-
-def _to_wire(tables: Sequence[LookupTable], blocks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Each table's float rows in its wire dtype (``compression``) where they travel to peers; the rest as they are."""
-    return [b.to(t.wire_dtype) if t.wire_dtype is not None and t.group is not None and b.is_floating_point() else b
-            for t, b in zip(tables, blocks)]
-
-
-def _from_wire(tables: Sequence[LookupTable], blocks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Rows that arrived in a table's wire dtype back in the table's own, before anything uses or sums them."""
-    return [b.to(t.local_weight.dtype) if b.is_floating_point() and b.dtype != t.local_weight.dtype else b
-            for t, b in zip(tables, blocks)]
 
 
 def _accumulate(tables: Sequence[LookupTable], grads: Sequence[Optional[torch.Tensor]]) -> None:

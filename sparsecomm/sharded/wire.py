@@ -11,11 +11,12 @@ fingerprint, so a round on ranks that disagree raises ``ValueError`` on every ra
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["Compression", "WIRE_CODES", "WIRE_DTYPES", "check_compression", "with_compression"]
+__all__ = ["Compression", "WIRE_CODES", "WIRE_DTYPES", "check_compression", "with_compression", "to_wire",
+           "from_wire"]
 
 # A wire setting's dtype, and its code in a table's fingerprint (0: the table's own dtype).
 WIRE_DTYPES = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -56,3 +57,15 @@ class Compression:
         if busy is not None and value != obj.__dict__.get(self.attr):   # its rows would travel in two dtypes
             raise ValueError(f"compression cannot change now: {busy}; set it between steps")
         obj.__dict__[self.attr] = value
+
+
+def to_wire(tables: Sequence[Any], blocks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each table's float rows in its wire dtype (``compression``) where they travel to peers; the rest as they are."""
+    return [b.to(t.wire_dtype) if t.wire_dtype is not None and t.group is not None and b.is_floating_point() else b
+            for t, b in zip(tables, blocks)]
+
+
+def from_wire(tables: Sequence[Any], blocks: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Rows that arrived in a table's wire dtype back in the table's own, before anything uses or sums them."""
+    return [b.to(t.local_weight.dtype) if b.is_floating_point() and b.dtype != t.local_weight.dtype else b
+            for t, b in zip(tables, blocks)]
