@@ -51,12 +51,13 @@ from sparsecomm.collectives.exchange import allgather_rows, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device, twin_group
 from sparsecomm.collectives.objects import world
 from sparsecomm.collectives.sharded_request import (Carry, PendingRequest, PooledRequest, Routes, TableRequest,
-                                                    exchange_blocks, finish_request, request_rows, start_request)
+                                                    exchange_blocks, finish_request, next_capacity, request_rows,
+                                                    start_request)
 from sparsecomm.types import SparseSyncStats
 
 __all__ = [
     "TableRequest", "PooledRequest", "Routes", "Carry", "PendingRequest", "request_rows", "start_request",
-    "finish_request", "sharded_group", "pull_rows", "exchange_rows", "allgather_table_rows",
+    "finish_request", "next_capacity", "sharded_group", "pull_rows", "exchange_rows", "allgather_table_rows",
 ]
 
 

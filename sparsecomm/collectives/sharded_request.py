@@ -30,13 +30,21 @@ from sparsecomm.collectives.sharded_wire import (META_HEAD, Announced, InputStat
 from sparsecomm.types import SparseSyncStats
 
 __all__ = ["TableRequest", "PooledRequest", "Routes", "Carry", "PendingRequest", "request_rows", "start_request",
-           "finish_request", "exchange_blocks"]
+           "finish_request", "exchange_blocks", "next_capacity"]
 
-# Per group, what the first all-to-all of the next round sends: the same on every rank. The largest width any
-# rank needed last round, and of it the columns before the padded ids (that width less that round's capacity):
-# a round sends at least those plus its own capacity (equal on every rank), so it costs one all-to-all while
-# its table count does not change, even when its capacity grew.
+# Per group, the columns the first all-to-all of the next round sends, from the last round (so the same on every
+# rank): the larger of the width any rank needed then and, once that round passed its checks, its row (that
+# need less its capacity) plus the capacity it gives the next round (next_capacity). Rounds of one table set
+# in a row then cost one all-to-all each, also when the capacity grows; another set may need a second.
 _MESSAGE_WIDTH: Dict[Any, Tuple[int, int]] = {}
+# Beyond this many ids per owner, a second all-to-all costs less than the padding could.
+_MAX_CAPACITY = 1 << 16
+
+
+def next_capacity(largest: int) -> int:
+    """The ids per owner the next round of a table set pads behind its rows: the last round's largest count
+    (every rank's, so the same on every rank) + 1/8 + 8, at most :data:`_MAX_CAPACITY`."""
+    return min(_MAX_CAPACITY, largest + largest // 8 + 8)
 
 
 class PooledRequest(NamedTuple):
@@ -249,8 +257,7 @@ def start_request(requests: Sequence[TableRequest], status: InputStatus, *, roun
         ids = torch.split(r.ids_by_owner.to(torch.int64), c)
         p.pieces.append([torch.cat([ids[j], r.pooled.words[j].to(ids[j].device)]) if r.pooled is not None
                          else ids[j] for j in range(n)])
-    need, row_part = _MESSAGE_WIDTH.get(id(group), (META_HEAD, 0))
-    p.width = max(need, row_part + capacity) if row_part else need
+    p.width = max(_MESSAGE_WIDTH.get(id(group), (META_HEAD, 0)))
     padded = [torch.cat([pieces[j] for pieces in p.pieces]) for j in range(n)] if capacity else None
     p.message = encode_message(row, padded, n, p.width)
     _send_meta(p, async_op, carry)
@@ -306,6 +313,8 @@ def finish_request(p: PendingRequest) -> Routes:
     announced = _checked(p, received, headers)
     # Only now (the counts passed the checks) is anything sized from a peer's numbers.
     sizes = _sizes(p, announced)
+    need = _MESSAGE_WIDTH[id(p.group)][0]
+    _MESSAGE_WIDTH[id(p.group)] = (need, need - p.capacity + next_capacity(sizes.largest))
     got = _exchange_ids(p, received, sizes)
     return _split(p, announced, sizes, got)
 
@@ -321,7 +330,7 @@ def _received_rows(p: PendingRequest) -> Tuple[torch.Tensor, List[MetaHeader]]:
         p.width = need
         p.message = widen(p.message, need)
         (received,) = all_to_all_rows([p.message], [1] * p.n, [1] * p.n, p.group, p.device, p.stats)
-    _MESSAGE_WIDTH[id(p.group)] = (need, need - p.capacity)
+    _MESSAGE_WIDTH[id(p.group)] = (need, 0)   # the next round's capacity is known once this one passed
     received = received.cpu()
     return received, decode_headers(received)
 

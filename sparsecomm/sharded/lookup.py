@@ -65,8 +65,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from sparsecomm.collectives.sharded_exchange import (Routes, exchange_rows, finish_request, pull_rows, start_request,
-                                                     world)
+from sparsecomm.collectives.sharded_exchange import (Routes, exchange_rows, finish_request, next_capacity, pull_rows,
+                                                     start_request, world)
 from sparsecomm.collectives.step_order import PUSH, at_backward_end, current_backward
 from sparsecomm.sharded.hot import sync_hot_gradients
 from sparsecomm.sharded.inputs import bad_input
@@ -80,9 +80,6 @@ from sparsecomm.sharded.wire import from_wire, to_wire
 from sparsecomm.types import SparseSyncStats
 
 __all__ = ["TableSet", "RoundState"]
-
-# Beyond this many ids per owner, a second all-to-all costs less than the padding could.
-_MAX_CAPACITY = 1 << 16
 
 
 class _Awaiting:
@@ -342,7 +339,7 @@ class TableSet:
             self._request(state)
         tables = state.tables
         routes = self._finish(state)
-        self.capacity = min(_MAX_CAPACITY, routes.largest + routes.largest // 8 + 8)
+        self.capacity = next_capacity(routes.largest)
         self.pooling.update(self.tables, routes.estimates, self.rounds)
         served = [serve(t, info, routes, i) for i, (t, info) in enumerate(zip(self.tables, tables))]
         got = from_wire(self.tables, pull_rows(to_wire(self.tables, served), routes, self.group, self.stats))
