@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["place_tables", "pools_at_owner"]
+__all__ = ["place_tables", "pools_at_owner", "every_bag_table_whole"]
 
 
 def pools_at_owner(m: nn.Module) -> bool:
@@ -118,3 +118,34 @@ def place_tables(p: Any, pooled_ok: Dict[str, bool]) -> None:
                 f"{end:.3g} B of pooled rows per bag of each table instead of {start:.3g} B")
         t.reason += f"; whole on rank {r} (table-wise, {len(chosen)} tables over the ranks): the busiest rank moves " \
                     f"{unit} row-sharded"
+
+
+def every_bag_table_whole(p: Any) -> List[str]:
+    """Put every bag table that can be sharded whole on one rank, traffic spread over the ranks; those it moved.
+
+    The placement TorchRec's CPU planner picks for such models, whatever the
+    bytes (:func:`place_tables` keeps only assignments that move fewer bytes):
+    the placement trial measures it. Tables already whole keep their owner;
+    the others go largest first to the rank serving the fewest pooled bytes
+    per bag so far (then the least memory) among those with the memory for
+    the whole table (``memory_budget``); a table no rank has room for stays
+    as it was.
+    """
+    n = max(1, p.world_size)
+    served = [0.0] * n
+    already = [name for name, t in p.tables.items() if t.placement == "shard" and t.scheme == "table"]
+    for name in already:
+        served[p.tables[name].owner] += p.tables[name].embedding_dim
+    whole = []
+    for name, t in sorted(p.tables.items(), key=lambda kv: (-kv[1].memory_replicated, kv[0])):
+        if t.kind != "EmbeddingBag" or t.blocker or name in already:
+            continue
+        room = [r for r in range(n) if p.memory_budget is None or
+                p.memory_on(r) - t.memory_on(r) + t.memory_replicated <= p.memory_budget]
+        if not room:
+            continue
+        r = min(room, key=lambda r: (served[r], p.memory_on(r) - t.memory_on(r), r))
+        p.override(name, "shard", "table", owner=r)
+        served[r] += t.embedding_dim
+        whole.append(name)
+    return whole

@@ -18,7 +18,10 @@ The candidates, in the order they are tried:
 2. ``planned``: the planner's pick (e.g. bag tables table-wise);
 3. ``row-sharded``: the tables the planner shards (or, when it shards none,
    those of ``small_table_bytes`` or more) row-sharded by hash;
-4. ``sampled``: the planner's pick for the ids the job's first step looked
+4. ``table-wise``: every bag table that can be sharded whole on one rank,
+   their pooled traffic spread over the ranks (TorchRec's CPU placement;
+   :func:`~sparsecomm.table_wise.every_bag_table_whole`), at 2 ranks or more;
+5. ``sampled``: the planner's pick for the ids the job's first step looked
    up, with the link and optimizer measured (what ``parallelize`` plans from
    a sample batch); made after that step, one collective.
 
@@ -81,6 +84,7 @@ from sparsecomm.planner import plan as make_plan
 from sparsecomm.replan import ReplanBusy, replan
 from sparsecomm.sample_batch import IdCapture
 from sparsecomm.stale import StaleReplicas
+from sparsecomm.table_wise import every_bag_table_whole
 
 __all__ = ["TrialConfig", "Candidate", "PlacementTrial", "candidates"]
 
@@ -153,9 +157,13 @@ def candidates(planned: Plan, small_table_bytes: int = 4 << 20) -> List[Candidat
         [n for n, t in planned.tables.items() if not t.blocker and t.memory_replicated >= small_table_bytes]
     for name in shard:
         rows.override(name, "shard", "hash")
+    whole = copy.deepcopy(planned)
+    tried = [Candidate("replicated", replicated), Candidate("planned", planned), Candidate("row-sharded", rows)]
+    if planned.world_size > 1 and every_bag_table_whole(whole):
+        tried.append(Candidate("table-wise", whole))
     out: List[Candidate] = []
     budget = planned.memory_budget
-    for c in (Candidate("replicated", replicated), Candidate("planned", planned), Candidate("row-sharded", rows)):
+    for c in tried:
         if c.name == "replicated" and budget is not None and c.plan.memory_per_rank() > budget:
             continue
         if all(c.key() != o.key() for o in out):

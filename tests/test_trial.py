@@ -325,10 +325,14 @@ def test_the_candidates_and_the_schedule_are_checked():
     p = sparsecomm.plan(Model())
     p.world_size = 2
     p.override("a", "shard", "table", owner=1)
-    names = [c.name for c in candidates(p)]
-    assert names == ["replicated", "planned", "row-sharded"]
-    same = candidates(candidates(p)[2].plan)   # already row-sharded: the planned and row-sharded are one
-    assert [c.name for c in same] == ["replicated", "planned"]
+    tried = candidates(p)
+    assert [c.name for c in tried] == ["replicated", "planned", "row-sharded", "table-wise"]
+    # Table-wise: "a" keeps its owner, the others spread by bytes served (then memory): b (larger) and c on 0.
+    whole = {n: (t.placement, t.scheme, t.owner) for n, t in tried[3].plan.tables.items()}
+    assert whole == {"a": ("shard", "table", 1), "b": ("shard", "table", 0), "c": ("shard", "table", 0)}, whole
+    same = candidates(tried[2].plan)   # already row-sharded: the planned and row-sharded are one
+    assert [c.name for c in same] == ["replicated", "planned", "table-wise"]
+    assert [c.name for c in candidates(tried[3].plan)] == ["replicated", "planned", "row-sharded"]   # one
     p.memory_budget = 1
     assert "replicated" not in [c.name for c in candidates(p)]
     assert isinstance(candidates(p)[0], Candidate)

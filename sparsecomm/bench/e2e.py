@@ -30,8 +30,9 @@ from the next method in turn, so none always follows plain DDP's transfer):
   user calls it, no plan given: it plans from the model alone (large bag
   tables table-wise, spread over the ranks, where that moves fewer bytes),
   then its placement trial (``sparsecomm.trial``) times every table
-  replicated, that plan, the tables row-sharded and the plan for the first
-  step's ids on training steps and keeps the fastest, then its replicas'
+  replicated, that plan, the tables row-sharded, every bag table table-wise
+  and the plan for the first step's ids on training steps and keeps the
+  fastest, then its replicas'
   hook measures its sync modes (``eager_sparse='auto'``). Here both trials
   run to their decisions right after the checked step, alone, on batches of
   their own; ``trial_s`` is their wall time, ``trial_cost`` what they cost
@@ -130,8 +131,8 @@ LEGEND = {
     "hosts": "emulated hosts x ranks per host (blank: one host)",
     "rate": "each emulated host link's cap, both ways",
     "#wrong": "tensors off a float64 single-process step on the whole batch (non-zero exits 3)",
-    "kept": "what the trial kept: parallelize's placement (replicated, planned, row-sharded or sampled), the hook's "
-            "sparse sync mode (eager or fused)",
+    "kept": "what the trial kept: parallelize's placement (replicated, planned, row-sharded, table-wise or sampled), "
+            "the hook's sparse sync mode (eager or fused)",
     "trial_s": "wall time of the placement trial (its steps included)",
     "trial_steps": "steps the placement trial took",
     "trial_cost": "the trial's time beyond as many steps at the kept placement's speed, per 1,000 steps at that speed",
