@@ -194,6 +194,8 @@ def _flush(state: SparseCommState, wait: bool = False) -> None:
     key = tuple((it.name, it.method) for it in items)
     allgather = all(it.method is SyncMethod.ALLGATHER for it in items)
     capacity = state.capacity_for(key) if allgather else None
+    if capacity is not None:   # a fused dense bucket is one row on every rank, every step: no slack (a row is big)
+        capacity = [1 if it.path == DENSE_FUSED else c for it, c in zip(items, capacity)]
 
     config = state.config
 
