@@ -38,12 +38,15 @@ round prefetched; the tables' next round ends it (on every rank alike).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from sparsecomm.collectives.groups import comm_device
 from sparsecomm.sharded.model import sharded_modules
 from sparsecomm.sharded.pending import Prefetched
 from sparsecomm.sharded.table import ShardedTable
@@ -65,12 +68,19 @@ class _Call:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether two tensors are the same object, or views of the same memory with the same layout."""
+    """Whether two tensors are the same object, or views of one tensor with the same layout.
+
+    Decided by which tensor is a view of which (the program's structure), never by addresses: empty
+    tensors share address 0, so an address test would answer differently on a rank whose ids are empty,
+    and ranks that decide differently would not make the same collectives.
+    """
     if a is b:
         return True
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and a.device == b.device and a.shape == b.shape and a.stride() == b.stride()
-            and a.data_ptr() == b.data_ptr())
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    base_a, base_b = a._base if a._base is not None else a, b._base if b._base is not None else b
+    return (base_a is base_b and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset())
 
 
 class _Expected:
@@ -89,7 +99,7 @@ class _Expected:
             if isinstance(want, torch.Tensor):
                 if not _same(got, want) or got._version != version:
                     return False
-            elif got is not want and got != want:
+            elif got is not want and (type(got) is not type(want) or got != want):
                 return False
         return True
 
@@ -115,7 +125,10 @@ class Pipeline:
         self._seen: Dict[int, int] = {}                       # table -> its calls so far in this forward
         self._expected: Dict[Tuple[int, int], _Expected] = {}  # (table, nth call) -> its prefetched lookup
         self._rounds: Dict[int, int] = {}                     # table set -> its rounds when the forward began
-        self._table_hooks: Dict[int, Any] = {}
+        self._table_hooks: Dict[int, Tuple[Any, Any]] = {}   # table -> (weak reference to it, its pre-hook)
+        self._batch = 0          # batches yielded so far
+        self._asked_for = 0      # the batch whose forward last prefetched (one prefetch per batch)
+        self._agreement: Optional[Tuple[torch.Tensor, Any]] = None   # (flag, its all-reduce) of this forward
         self._model_hooks: List[Any] = []
 
     def _inner(self) -> nn.Module:
@@ -131,9 +144,10 @@ class Pipeline:
             self._next = next(source, _END)
             while self._next is not _END:
                 self._current, self._next = self._next, next(source, _END)
+                self._batch += 1
                 yield self._current
         finally:
-            for h in self._model_hooks + list(self._table_hooks.values()):
+            for h in self._model_hooks + [h for _, h in self._table_hooks.values()]:
                 h.remove()
             self._model_hooks, self._table_hooks = [], {}
 
@@ -141,34 +155,44 @@ class Pipeline:
 
     def _forward_starts(self, module: nn.Module, args: Any) -> None:
         tables = [t for _, t in sharded_modules(module)]
-        live = {id(t) for t in tables}
-        for key in [k for k in self._table_hooks if k not in live]:   # tables a replan replaced
-            self._table_hooks.pop(key).remove()
+        live = {id(t): t for t in tables}
+        for key in [k for k, (ref, _) in self._table_hooks.items() if live.get(k) is not ref()]:
+            self._table_hooks.pop(key)[1].remove()   # a table a replan replaced (its id may be reused)
         for t in tables:
             if id(t) not in self._table_hooks:
-                self._table_hooks[id(t)] = t.register_forward_pre_hook(self._table_called, with_kwargs=True)
+                self._table_hooks[id(t)] = (weakref.ref(t), t.register_forward_pre_hook(self._table_called,
+                                                                                         with_kwargs=True))
         self._calls, self._seen = [], {}
         self._rounds = {id(t.table_set): t.table_set.rounds for t in tables}
+        self._agreement = None
+        group = tables[0].table_set.group if tables else None
+        if group is not None and self._asked_for != self._batch:
+            # Whether every rank has a next batch of this one's structure (data, not program: loaders of
+            # different lengths, under Join): agreed while the forward runs, so all prefetch or none does.
+            ok = self._next is not _END and tree_flatten(self._next)[1] == tree_flatten(self._current)[1]
+            flag = torch.tensor([int(ok)], device=comm_device(group, tables[0].local_weight.device))
+            self._agreement = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True))
 
     def _table_called(self, table: ShardedTable, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
         nth = self._seen.get(id(table), 0)
         self._seen[id(table)] = nth + 1
         call = _Call(table, args, kwargs)
         self._calls.append(call)
-        expected = self._expected.pop((id(table), nth), None)
+        expected = self._expected.get((id(table), nth))
         if expected is None or not table.table_set.holds_prefetched(expected.handle.lookup) \
                 or not expected.matches(call.leaves):
-            return None
+            return None   # e.g. an evaluation forward on this batch: the next batch's round waits for its own
+        del self._expected[(id(table), nth)]
         self.used += 1
         return (expected.handle,), {}
 
     def _forward_ends(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._expected = {}
         for s in {id(c.table.table_set): c.table.table_set for c in self._calls}.values():
             s.flush()   # what the tables' own forward hook does next: their round runs before the next one starts
         self.reason = self._why_not()
         if self.reason:
             return
+        self._asked_for, self._expected = self._batch, {}
         leaves, spec = tree_flatten(self._next)
         by_set: Dict[int, List[Tuple[_Call, List[Any]]]] = {}
         for call in self._calls:
@@ -188,9 +212,19 @@ class Pipeline:
         self.prefetched += 1
 
     def _why_not(self) -> str:
-        """Why batch t+1's lookups cannot be prefetched now ('' when they can); finds each argument's batch leaf."""
+        """Why batch t+1's lookups cannot be prefetched now ('' when they can); finds each argument's batch leaf.
+
+        Every answer is the same on every rank: the program decides it, or the ranks agreed on it.
+        """
+        agreed = True
+        if self._agreement is not None:
+            flag, work = self._agreement
+            work.wait()
+            agreed = bool(flag.item())
         if not self._calls:
             return "the forward looked up no sharded table"
+        if self._asked_for == self._batch:
+            return "this batch's next one was prefetched by an earlier forward"
         leaves, spec = tree_flatten(self._current)
         for t, before in self._rounds.items():
             sets = [c.table.table_set for c in self._calls if id(c.table.table_set) == t]
@@ -210,7 +244,9 @@ class Pipeline:
                     return (f"a {type(call.table).__name__} was called with a tensor that is not one of the "
                             f"batch's (computed in the forward?)")
                 call.places.append(place)
-        if self._next is _END:
+        if not agreed:
+            return "some rank has no next batch, or one of another structure"
+        if self._next is _END:   # a world of one: no agreement made
             return "no next batch"
         if tree_flatten(self._next)[1] != spec:
             return "the next batch has another structure than this one"

@@ -46,12 +46,12 @@ class Net(nn.Module):
         return self.top(torch.cat([self.bottom(b["dense"])] + pooled, 1)).squeeze(1)
 
 
-def rank_batch(rank: int, step: int):
+def rank_batch(rank: int, step: int, empty: bool = False):
     g = torch.Generator().manual_seed(100 * step + rank)
     n = 2 + 2 * rank   # uneven batches
     ids, offsets = [], []
     for r in ROWS:
-        lengths = torch.randint(0, 4, (n,), generator=g)   # empty bags among them
+        lengths = torch.randint(0, 4, (n,), generator=g) * (not empty)   # empty bags among them
         offsets.append(torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]]))
         ids.append((torch.rand(int(lengths.sum()), generator=g) ** 2 * r).long())   # skewed ids
     return {"ids": ids, "offsets": offsets, "dense": torch.randn(n, 2, generator=g, dtype=torch.float64),
@@ -109,8 +109,13 @@ def reference(world, name, steps=STEPS, rows=ROWS):
     return model
 
 
+def last_reason(world):
+    """Why the last batch prefetches nothing: no next batch, as every rank agreed (alone: no agreement made)."""
+    return "no next batch" if world == 1 else "some rank has no next batch, or one of another structure"
+
+
 def case_equal(rank, world, name):
-    """Pipelined = plain, bit for bit; both = one process on the whole batch; every next batch prefetched."""
+    """Pipelined = plain; both = one process on the whole batch; every next batch prefetched."""
     batches = [rank_batch(rank, s) for s in range(STEPS)]
     plain, plain_opt = parallel(world, name)
     plain_losses = train(plain, plain_opt, batches)
@@ -127,7 +132,8 @@ def case_equal(rank, world, name):
     assert worst < TOL, (name, worst)
     # Two sharded tables (t0 table-wise, t1 by hash; a world of one holds them whole): each next batch's
     # lookups were prefetched and taken.
-    assert (pipe.prefetched, pipe.used, pipe.reason) == (STEPS - 1, 2 * (STEPS - 1), "no next batch")
+    assert (pipe.prefetched, pipe.used, pipe.reason) == (STEPS - 1, 2 * (STEPS - 1), last_reason(world)), \
+        (pipe.prefetched, pipe.used, pipe.reason)
     return worst
 
 
@@ -139,6 +145,51 @@ def case_computed_ids(rank, world):
     assert pipe.prefetched == 0 and pipe.used == 0
     assert "not one of the batch's" in pipe.reason, pipe.reason
     assert max(weight_diffs(ours, reference(world, "adagrad")).values()) < TOL
+    return True
+
+
+def case_computed_ids_one_rank_empty(rank, world):
+    """Computed ids, and rank 0's ids all empty (empty tensors share one address): no rank prefetches (a rank
+    that did would wait forever in an all-to-all the others never start); training is unchanged."""
+    ours, opt = parallel(world, "sgd", computed_ids=True)
+    batches = [rank_batch(rank, s, empty=rank == 0) for s in range(STEPS)]
+    pipe = sparsecomm.pipeline(batches, ours)
+    train(ours, opt, pipe)
+    assert pipe.prefetched == 0 and "not one of the batch's" in pipe.reason, (pipe.prefetched, pipe.reason)
+    return True
+
+
+def case_ranks_disagree_on_the_next_batch(rank, world):
+    """The last rank's batch 2 has another structure (an extra feature): at batches 1 and 2 every rank agrees
+    not to prefetch (one would otherwise start a collective the others do not), then they go on prefetching."""
+    ours, opt = parallel(world, "adagrad")
+    batches = [rank_batch(rank, s) for s in range(STEPS)]
+    if rank == world - 1:
+        batches[2] = {**batches[2], "unused": torch.zeros(1)}
+    pipe = sparsecomm.pipeline(batches, ours)
+    reasons = []
+    for b in pipe:
+        train(ours, opt, [b])
+        reasons.append(pipe.reason)
+    other = "some rank has no next batch, or one of another structure" if world > 1 else \
+        "the next batch has another structure than this one"
+    assert reasons == ["", other, other, "", "", last_reason(world)], reasons   # batch 2's next differs from it too
+    assert pipe.prefetched == STEPS - 3, (pipe.prefetched, reasons)
+    assert max(weight_diffs(ours, reference(world, "adagrad")).values()) < TOL
+    return True
+
+
+def case_eval_forward_between(rank, world):
+    """A forward without gradient on the same batch after each step (an evaluation): the next batch's prefetched
+    round waits for its own lookups (the evaluation runs a round of its own), none is wasted."""
+    ours, opt = parallel(world, "sgd")
+    pipe = sparsecomm.pipeline([rank_batch(rank, s) for s in range(STEPS)], ours)
+    for b in pipe:
+        train(ours, opt, [b])
+        with torch.no_grad():
+            ours(b)
+    assert (pipe.prefetched, pipe.used) == (STEPS - 1, 2 * (STEPS - 1)), (pipe.prefetched, pipe.used, pipe.reason)
+    assert max(weight_diffs(ours, reference(world, "sgd")).values()) < TOL
     return True
 
 
@@ -177,8 +228,10 @@ def case_trial(rank, world):
 
 def _worker(rank, world):
     cases = [(f"equal_{name}", case_equal, (name,)) for name in OPTIMIZERS]
-    cases += [("computed", case_computed_ids, ()), ("replan", case_replan_between, ()), ("trial", case_trial, ())]
-    return run_cases(rank, world, cases if world > 1 else cases[:4])
+    cases += [("computed", case_computed_ids, ()), ("empty", case_computed_ids_one_rank_empty, ()),
+              ("disagree", case_ranks_disagree_on_the_next_batch, ()), ("eval", case_eval_forward_between, ()),
+              ("replan", case_replan_between, ()), ("trial", case_trial, ())]
+    return run_cases(rank, world, cases if world > 1 else cases[:7])
 
 
 _RUNS = {}
@@ -202,6 +255,16 @@ def test_pipelined_training_equals_the_plain_loop_and_one_process(world, name):
 @pytest.mark.parametrize("world", WORLDS)
 def test_ids_computed_in_the_forward_are_not_prefetched_and_training_is_unchanged(world):
     assert all(runs(world)[r]["computed"] for r in range(world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_rank_decides_alike_whether_to_prefetch(world):
+    assert all(runs(world)[r]["empty"] and runs(world)[r]["disagree"] for r in range(world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_an_evaluation_forward_between_steps_wastes_no_prefetched_round(world):
+    assert all(runs(world)[r]["eval"] for r in range(world))
 
 
 @pytest.mark.parametrize("world", WORLDS[1:])

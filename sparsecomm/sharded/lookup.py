@@ -177,12 +177,10 @@ class TableSet:
         self._step_backward: Optional[int] = None   # the backward whose pushes end the current step
 
     def prefetch(self, lookups: Sequence[Lookup], droppable: bool = False) -> None:
-        """Start the id exchange of a round now, in the background (collective: every rank prefetches alike).
+        """Start a round's id exchange now, in the background (collective: every rank prefetches alike).
 
-        The round runs when exactly these lookups are submitted, in this order
-        (``table(handle)`` with the handles of ``sparsecomm.sharded.prefetch``):
-        its rows are pulled then, so they include every update made in between. ``droppable``
-        (``sparsecomm.pipeline``'s): ``replan`` ends it unused (:meth:`drop_prefetched`) instead of refusing.
+        It runs when exactly these lookups are submitted, in order (``table(handle)``): its rows are pulled
+        then, after every update in between. ``droppable`` (a pipeline's): ``replan`` ends it unused instead.
         """
         self.flush()
         self.drop_prefetched(any_round=True)   # prefetched but never used: end it (every rank does the same)
@@ -194,8 +192,12 @@ class TableSet:
     def drop_prefetched(self, any_round: bool = False) -> None:
         """End a droppable prefetched round unused (or any, with ``any_round``); collective, no-op when none."""
         if self._prefetched is not None and (any_round or self._droppable):
-            state, self._prefetched = self._prefetched, None
-            self._finish(state)
+            state, droppable, self._prefetched = self._prefetched, self._droppable, None
+            try:
+                self._finish(state)
+            except ValueError:   # every rank alike; a pipeline's lookups, if made, run and raise on their own
+                if not droppable:
+                    raise
 
     def holds_prefetched(self, lookup: Lookup) -> bool:
         """Whether ``lookup`` belongs to the round prefetched now (a dropped round's lookups do not)."""
@@ -256,8 +258,9 @@ class TableSet:
         """The round for ``lookups``: the prefetched one when it was started for exactly them, else a new one."""
         state, self._prefetched = self._prefetched, None
         if state is not None and [id(x) for x in state.lookups] != [id(x) for x in lookups]:
-            self._finish(state)  # prefetched, then not used as prefetched: end it, unused
-            state = None
+            if not self._droppable:   # prefetched by hand, then not used as prefetched: end it, unused
+                self._finish(state)
+            self._prefetched, state = (state if self._droppable else None), None   # a pipeline's waits for its own
         if state is not None and self._hot_due():
             # Prefetched while an earlier round awaited its backward (no hot set could change then): choose now,
             # and if a set changed, end the prefetched request (it split the ids by the old set) and ask again.
