@@ -15,19 +15,22 @@ already sent), so it runs in backward, one all-to-all more there.
 
 How it knows batch t+1's lookups without running the model on it: on every
 forward it records each sharded table's call and finds every tensor argument
-among the batch's tensors (the same tensor or the same memory, any nesting
-of dicts, lists and tuples). Batch t+1's lookups are then the same calls with
-batch t+1's tensors in those places. A table called with something computed
-inside the forward (``ids % rows``, offsets built there), a batch of another
-structure, or a set of tables whose lookups took more than one round in that
-forward (a result used before every table was looked up) is not prefetched:
-that step runs as without the pipeline, and :attr:`Pipeline.reason` says why.
-In the next forward each table finds its prefetched lookup again when it is
-called with exactly those tensors, unchanged (same object or memory, same
-version counter); otherwise the prefetched round is ended unused and the
-lookup runs as usual. Both are decided from the program, not the data, so
-every rank does the same (the rounds are collectives); ranks must run the
-same code, as with any lookup.
+among the batch's tensors (the same tensor, or the same view of one, any
+nesting of dicts, lists and tuples). Batch t+1's lookups are then the same
+calls with batch t+1's tensors in those places. A table called with
+something computed inside the forward (``ids % rows``, offsets built there),
+or a set of tables whose lookups took more than one round in that forward (a
+result used before every table was looked up), is not prefetched; nor is
+anything when some rank has no next batch or one of another structure: that
+step runs as without the pipeline, and :attr:`Pipeline.reason` says why. In
+the next forward each table takes its prefetched lookup when called with
+exactly those tensors, unchanged (same version counter); a forward that
+calls them otherwise (an evaluation between steps) runs a round of its own,
+and the prefetched one waits. The prefetch is a collective, so every rank
+must decide alike: matching goes by which tensor is which (the program, not
+addresses or values), and the data-dependent part (a next batch, its
+structure) is agreed by a one-int all-reduce started when the forward begins
+and read when it ends. Ranks must run the same code, as with any lookup.
 
 A placement trial or ``sparsecomm.replan`` that moves tables ends the
 pending round unused (the moved tables are new modules); the pipeline finds
