@@ -45,9 +45,10 @@ from the next method in turn, so none always follows plain DDP's transfer):
   by hash (``plan.override``), whatever the plan predicts;
 - ``table_wise``: ``parallelize`` with every table table-wise, the i-th
   largest on rank i mod N (the placement TorchRec's CPU planner picks here);
-- ``parallelize_pipelined``, ``table_wise_pipelined``: the same, trained
-  through ``sparsecomm.pipeline`` (each next batch's ids sent to their owners
-  during the current step; nothing to prefetch where every table is replicated);
+- ``parallelize_pipelined``, ``table_wise_pipelined`` (only when ``--methods``
+  names them): the same, trained through ``sparsecomm.pipeline`` (each next
+  batch's ids sent to their owners during the current step; nothing to
+  prefetch where every table is replicated);
 - ``floor``: one process on the per-rank batch, no communication at all.
   For a method with sharded tables, the floor's step minus (N-1)/N of its
   optimizer time (the owners' share of the update).
@@ -107,8 +108,9 @@ from sparsecomm.sharded.combined import build_optimizer
 from sparsecomm.synthetic import zipf_ids
 
 METHODS = ("ddp", "register", "register_fused", "register_eager", "parallelize", "parallelize_plan", "sharded",
-           "table_wise", "parallelize_pipelined", "table_wise_pipelined")
-# Methods trained through sparsecomm.pipeline: the next batch's ids move while the current one trains.
+           "table_wise")
+# Methods trained through sparsecomm.pipeline: the next batch's ids move while the current one trains. Run only
+# when --methods names them: every method holds a model, and 14 of them at 4 ranks outgrew 24 GiB.
 PIPELINED = {"parallelize_pipelined": "parallelize", "table_wise_pipelined": "table_wise"}
 LOSSY = ("register_bf16", "parallelize_bf16")   # compared, checked against the same tolerance, left out of the verdict
 PHASES = ("forward", "backward", "optimizer", "step")
@@ -180,8 +182,8 @@ _DMP_TYPES = _dmp_types()
 def _methods(optimizer: str, wanted: Optional[str] = None) -> Sequence[str]:
     """The contenders of this run (``--methods``, plain DDP always): TorchRec's only where it runs the optimizer."""
     lossy = LOSSY if optimizer in ("sgd", "adagrad") else ()
-    every = METHODS + lossy + (() if e2e_torchrec.missing(optimizer) else ("torchrec_dmp",))
-    keep = set(wanted.split(",")) | {"ddp"} if wanted else set(every)
+    every = METHODS + tuple(PIPELINED) + lossy + (() if e2e_torchrec.missing(optimizer) else ("torchrec_dmp",))
+    keep = set(wanted.split(",")) | {"ddp"} if wanted else set(every) - set(PIPELINED)
     return tuple(m for m in every if m in keep)
 
 
@@ -484,7 +486,7 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     add_launch_args(p)
     a = p.parse_args(argv)
     check_optimizers(p, a)
-    unknown = set((a.methods or "").split(",")) - set(METHODS + LOSSY + ("torchrec_dmp", ""))
+    unknown = set((a.methods or "").split(",")) - set(METHODS + tuple(PIPELINED) + LOSSY + ("torchrec_dmp", ""))
     if unknown:
         p.error(f"--methods: unknown method(s) {sorted(unknown)}")
     if a.warmup < 1:
