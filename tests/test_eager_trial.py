@@ -45,9 +45,11 @@ def _run_trial(monkeypatch, cost, steps, every=0):
                          ids=["eager-faster", "fused-faster", "tie-keeps-fused", "within-margin-keeps-fused"])
 def test_the_trial_tries_each_mode_then_keeps_the_faster(monkeypatch, eager_cost, kept):
     trial, modes = _run_trial(monkeypatch, lambda step, eager: eager_cost if eager else 0.010, SETTLED + 5)
-    # Fused before the trial and in its first half, eager in its second half, then the kept mode.
-    assert modes[:START - 1 + PHASE] == [False] * (START - 1 + PHASE)
-    assert modes[START - 1 + PHASE:START - 1 + 2 * PHASE] == [True] * PHASE
+    # Fused before the trial, eager in its first half (the job's first steps, warm-up included, fall on the mode
+    # that must win by a margin), fused in its second half, then the kept mode.
+    assert modes[:START - 1] == [False] * (START - 1)
+    assert modes[START - 1:START - 1 + PHASE] == [True] * PHASE
+    assert modes[START - 1 + PHASE:START - 1 + 2 * PHASE] == [False] * PHASE
     # The last trial step is timed when the next one opens and settled when that one ends: one step late.
     assert modes[SETTLED - 1] is False and modes[SETTLED:] == [kept] * 5
     assert trial.eager is kept and "fused 10" in trial.reason and f"eager {1e3 * eager_cost:.3g}" in trial.reason
@@ -62,7 +64,7 @@ def test_warmup_steps_are_not_counted_and_the_trial_repeats(monkeypatch):
     every = 40 - SETTLED   # the next trial starts at step 40
     trial, modes = _run_trial(monkeypatch, cost, 40 + 2 * PHASE + 3, every=every)
     assert modes[SETTLED] is True   # the first trial: eager, its slow first step not counted
-    assert modes[39:39 + PHASE] == [False] * PHASE and modes[39 + PHASE:39 + 2 * PHASE] == [True] * PHASE
+    assert modes[39:39 + PHASE] == [True] * PHASE and modes[39 + PHASE:39 + 2 * PHASE] == [False] * PHASE
     assert trial.eager is False and modes[-1] is False   # measured again from step 40: now fused is faster
 
 

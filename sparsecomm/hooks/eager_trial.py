@@ -11,7 +11,9 @@ whole steps in each mode and keeps the faster one, the same on every rank:
   first bucket (forward, backward, optimizer: what a user waits for);
 - from the hook's step :data:`START` (counted from when ``'auto'`` took
   effect), each mode runs :data:`WARMUP` + :data:`SAMPLES`
-  consecutive steps (fused first), the first :data:`WARMUP` not counted
+  consecutive steps, eager first: the job's first steps (capacities still
+  learned, caches cold) then slow the mode that must win by :data:`MARGIN`,
+  not fused, the default; the first :data:`WARMUP` not counted
   (:class:`~sparsecomm.hooks.tuner.MethodTuner`'s schedule, in step numbers,
   which are the same on every rank);
 - when the last of them has been timed, at the end of the next step, the
@@ -64,7 +66,7 @@ class EagerTrial:
     """
 
     def __init__(self, every: int, first_step: int = 1) -> None:
-        self._tuner: MethodTuner[bool] = MethodTuner([False, True], start=first_step + START - 1, warmup=WARMUP,
+        self._tuner: MethodTuner[bool] = MethodTuner([True, False], start=first_step + START - 1, warmup=WARMUP,
                                                      samples=SAMPLES, every=every, keep=float("inf"))
         self._last_open: Optional[float] = None
         self._settle_due = False
