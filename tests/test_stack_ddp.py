@@ -164,8 +164,8 @@ def _accumulate(rank, world, ddp_kwargs, autocast, options=None):
 
 
 def _short_trial(start, case):
-    """``case`` with ``eager_sparse='auto'`` (the default) trying its modes early: the hook's step ``start`` fused,
-    the next one eager, each timed once, the mode kept from the step after the next."""
+    """``case`` with ``eager_sparse='auto'`` (the default) trying its modes early: the hook's step ``start`` eager,
+    the next one fused, each timed once, the mode kept from the step after the next."""
     def run(rank, world, *args):
         saved = eager_trial.START, eager_trial.WARMUP, eager_trial.SAMPLES, SparseCommState.begin_step
         eager_trial.START, eager_trial.WARMUP, eager_trial.SAMPLES = start, 0, 1
@@ -175,7 +175,7 @@ def _short_trial(start, case):
             result = case(rank, world, *args)
         finally:
             eager_trial.START, eager_trial.WARMUP, eager_trial.SAMPLES, SparseCommState.begin_step = saved
-        assert modes[start - 1:start + 1] == [False, True], modes   # both modes ran, on every rank
+        assert modes[start - 1:start + 1] == [True, False], modes   # both modes ran, on every rank
         return result
 
     return run
