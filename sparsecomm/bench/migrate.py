@@ -100,10 +100,15 @@ def run_config(a: argparse.Namespace, optimizer: str) -> List[Dict[str, Any]]:
     base = Model(a.rows, a.dim)
     start = sparsecomm.plan(base)
     start.override("table", "replicate")
-    runs = {}
+    runs: Dict[str, Dict[str, Any]] = {}
+    hook: Dict[str, Any] = {}
     for mode in MODES:
-        model, opt = sparsecomm.parallelize(copy.deepcopy(base), cls, plan=copy.deepcopy(start), trial=False, **kw)
+        model, opt = sparsecomm.parallelize(copy.deepcopy(base), cls, plan=copy.deepcopy(start), trial=False,
+                                            hook_options=dict(hook), **kw)
         runs[mode] = dict(model=model, opt=opt, stale=StaleReplicas() if mode == "stale" else None)
+        state = getattr(model, "module", model).sparsecomm_state
+        if state is not None:   # the second copy prices its syncs on the link the first measured: the same
+            hook["link"] = state.link   # paths, so the copies can be compared bit for bit
     del base
     step = 0
 
