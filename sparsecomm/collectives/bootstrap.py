@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from sparsecomm.types import Topology, optional_int
 __all__ = ["detect_launcher", "init_distributed", "shutdown", "topology"]
 
 _topology: Optional[Topology] = None
+_last_works: List[dist.Work] = []   # shutdown's barriers, held until the interpreter exits (see shutdown)
 
 
 def _my_address(single_node: bool) -> str:
@@ -118,11 +119,21 @@ def shutdown() -> None:
     gloo can abort at exit when a rank destroys its groups while a peer's last
     collective is still in flight (the barrier), and a cached group would keep
     gloo's threads alive into interpreter shutdown (the forget).
+
+    The barrier's work is kept until the interpreter exits. gloo's worker
+    thread drops its reference to a work just after ``wait()`` returns; were
+    that the last one, the work's destructor would need the GIL on that
+    thread, while the main thread, holding the GIL, may already be joining
+    that thread in the group's destructor (when the last owner of the group,
+    such as DDP's reducer, is freed as the script ends): a deadlock at exit.
+    Holding the work makes the main thread its last owner.
     """
     global _topology
     if dist.is_initialized():
         try:
-            dist.barrier()
+            work = dist.barrier(async_op=True)
+            _last_works.append(work)
+            work.wait()
         finally:
             dist.destroy_process_group()
             groups.forget()
