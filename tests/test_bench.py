@@ -389,6 +389,25 @@ def test_e2e_emulated_hosts_refuse_what_cannot_run_with_the_reason():
     assert bad.returncode == 2 and "cannot emulate hosts" in bad.stderr, _fail(bad)
 
 
+def test_e2e_schedule_gives_every_method_the_same_steps_in_blocks():
+    from sparsecomm.bench.e2e import schedule
+
+    one = schedule(["a", "b", "c"], 2, 4, 1)
+    # One step at a time, each round of steps starting from the next method, a barrier before each; the
+    # warm-up steps untimed.
+    assert [(m, s) for m, s, _, _ in one[:6]] == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1)]
+    assert all(first for *_, first in one) and [t for _, s, t, _ in one if s < 2] == [False] * 6
+    blocks = schedule(["a", "b"], 1, 5, 4)
+    for m in ("a", "b"):
+        mine = [(s, t, f) for x, s, t, f in blocks if x == m]
+        assert [s for s, _, _ in mine] == list(range(len(mine)))   # consecutive steps, the same for both
+        assert sum(t for _, t, _ in mine) == 6                      # two blocks of 3 timed steps (>= 5)
+        # A block's first step starts after a barrier and is not timed; the rest run back to back.
+        assert [(t, f) for s, t, f in mine if s >= 1] == [(False, True), (True, False), (True, False),
+                                                          (True, False)] * 2
+    assert [x for x, s, _, f in blocks if f and s >= 1] == ["b", "a", "a", "b"]   # rounds rotate
+
+
 @pytest.mark.slow
 def test_e2e_on_one_host_every_method_right(tmp_path):
     js = tmp_path / "e2e.json"
@@ -407,7 +426,8 @@ def test_e2e_on_one_host_every_method_right(tmp_path):
 
 def test_e2e_methods_picks_the_contenders_and_table_wise_places_every_table_whole(tmp_path):
     js = tmp_path / "e2e.json"
-    picked = ["--methods", "table_wise,table_wise_pipelined", "--json", str(js)]
+    # In blocks of 3 steps: the pipelined method's batches must last the longer schedule.
+    picked = ["--methods", "table_wise,table_wise_pipelined", "--block", "3", "--json", str(js)]
     out, bad = _bench_at_once([["e2e", "--nproc", "2", *TINY_E2E, *picked],
                                ["e2e", "--nproc", "2", *TINY_E2E, "--methods", "table_wise,nope"]], timeout=300)
     assert out.returncode == 0, _fail(out)

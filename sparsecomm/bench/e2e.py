@@ -5,7 +5,10 @@ rows x ``--dim``, sum-pooled bags of Zipf(``--alpha``) ids), 16 dense
 features through a bottom MLP, everything concatenated into a top MLP, BCE
 loss. Every rank holds one replica per method and trains them alternately,
 step by step, on the same batches (noise hits all alike; each step starts
-from the next method in turn, so none always follows plain DDP's transfer):
+from the next method in turn, so none always follows plain DDP's transfer;
+``--block B`` takes B consecutive steps of a method at a time instead, the
+first untimed, the others back to back as a job runs them, so what a method
+carries from one step into the next counts too):
 
 - ``ddp``: plain DDP, ``sparse=True`` tables (gloo's sparse allreduce);
 - ``register``: the same under ``sparsecomm.register`` (the hook) as a user
@@ -88,7 +91,7 @@ import argparse
 import copy
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -237,41 +240,30 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
                             bytes=_bytes_moved(method, model, batches, rows, a))
         if method in PIPELINED:   # the same batches as every method's, one ahead (made before any timing)
             runs[method]["pipe"] = iter(sparsecomm.pipeline(
-                [make_batch(a, rows, s, rank) for s in range(a.warmup + a.steps)], model))
+                [make_batch(a, rows, s, rank) for s in range(_steps_per_method(a))], model))
     del base
 
     wrong: Dict[str, int] = {}
-    for step in range(a.warmup + a.steps):
-        b = make_batch(a, rows, step, rank)
-        # Each step starts from the next method: a method stepping right after plain DDP would always find the
-        # link still draining DDP's bytes (a tbf queue at 1 Gbit/s), a bias the rotation spreads over all.
-        names = list(runs)
-        for method in names[step % len(names):] + names[:step % len(names)]:
-            r = runs[method]
+    for method, step, timed, first in schedule(list(runs), a.warmup, a.steps, a.block):
+        r = runs[method]
+        if first:   # a block's first step: every rank starts it together, the link drained of the last method's
             dist.barrier()
-            t0 = time.perf_counter()
-            r["opt"].zero_grad(set_to_none=True)
-            loss = loss_of(r["model"], next(r["pipe"]) if "pipe" in r else b)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            r["opt"].step()
-            t3 = time.perf_counter()
-            if step == 0 and method == "torchrec_dmp":
-                wrong[method] = e2e_torchrec.local_weights_wrong(r["model"], expected, a.tolerance)
-            elif step == 0 and method != "floor":
-                got = full_weights(r["model"])
-                wrong[method] = sum(int(not torch.allclose(got[k].double(), v, rtol=a.tolerance, atol=a.tolerance))
-                                    for k, v in expected.items())
-            if step == 0 and getattr(r["opt"], "trial", None) is not None:   # checked: now run it to its decision
-                r["trial"] = _finish_trial(r, a, rows, rank)
-                r["bytes"] = _bytes_moved(method, r["model"], batches, rows, a)
-            elif step == 0 and _hook_state(r["model"]).eager_undecided:
-                r["trial"] = _finish_hook_trial(r, a, rows, rank)
-            if step >= a.warmup:
-                for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
-                    r["times"][phase].append(dt)
-        if rank == 0 and step == a.warmup - 1:
+        times = _train_step(r, next(r["pipe"]) if "pipe" in r else make_batch(a, rows, step, rank))
+        if step == 0 and method == "torchrec_dmp":
+            wrong[method] = e2e_torchrec.local_weights_wrong(r["model"], expected, a.tolerance)
+        elif step == 0 and method != "floor":
+            got = full_weights(r["model"])
+            wrong[method] = sum(int(not torch.allclose(got[k].double(), v, rtol=a.tolerance, atol=a.tolerance))
+                                for k, v in expected.items())
+        if step == 0 and getattr(r["opt"], "trial", None) is not None:   # checked: now run it to its decision
+            r["trial"] = _finish_trial(r, a, rows, rank)
+            r["bytes"] = _bytes_moved(method, r["model"], batches, rows, a)
+        elif step == 0 and _hook_state(r["model"]).eager_undecided:
+            r["trial"] = _finish_hook_trial(r, a, rows, rank)
+        if timed:
+            for phase, dt in zip(PHASES, times):
+                r["times"][phase].append(dt)
+        if rank == 0 and step == a.warmup - 1 and method == _rotated(list(runs), step)[-1]:
             progress(f"e2e: world {n} {optimizer}: checked ({wrong}), timing {a.steps} steps")
     return dict(medians={m: {p: statistics.median(v) for p, v in r["times"].items()} for m, r in runs.items()},
                 trials={m: r["trial"] for m, r in runs.items() if "trial" in r},
@@ -280,6 +272,50 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
                 plan=plans.get("parallelize", ""), plans=plans, bytes={m: r["bytes"] for m, r in runs.items()},
                 sharded={m: m == "torchrec_dmp" or bool(sparsecomm.sharded.sharded_modules(
                     getattr(r["model"], "module", r["model"]))) for m, r in runs.items()})
+
+
+def _rotated(names: List[str], k: int) -> List[str]:
+    return names[k % len(names):] + names[:k % len(names)]
+
+
+def schedule(names: List[str], warmup: int, steps: int, block: int) -> List[Tuple[str, int, bool, bool]]:
+    """``(method, step, timed, first of a block)`` in the order they run.
+
+    The ``warmup`` untimed steps go one method at a time; then blocks of
+    ``block`` consecutive steps of one method each, every method in turn. Each
+    round of steps starts from the next method: one stepping right after
+    plain DDP would always find the link still draining DDP's bytes (a tbf
+    queue at 1 Gbit/s), a bias the rotation spreads over all. With
+    ``block`` > 1 a block's first step is not timed (it finds the caches and
+    the link as the last method left them) and its others run back to back,
+    as a training job runs them: what a method overlaps from one step into the
+    next (a pushed gradient, the next step's lookup) counts. Every method
+    takes the same steps, so the same batches.
+    """
+    out = [(m, step, False, True) for step in range(warmup) for m in _rotated(names, step)]
+    per = block - 1 if block > 1 else 1
+    for k in range(-(-steps // per)):
+        first = warmup + k * block
+        out += [(m, first + j, block == 1 or j > 0, j == 0) for m in _rotated(names, warmup + k)
+                for j in range(block)]
+    return out
+
+
+def _steps_per_method(a: argparse.Namespace) -> int:
+    return len(schedule(["one"], a.warmup, a.steps, a.block))
+
+
+def _train_step(r: Dict[str, Any], b: Any) -> Tuple[float, float, float, float]:
+    """One training step of a method: the seconds of its forward, backward, optimizer step and all three."""
+    t0 = time.perf_counter()
+    r["opt"].zero_grad(set_to_none=True)
+    loss = loss_of(r["model"], b)
+    t1 = time.perf_counter()
+    loss.backward()
+    t2 = time.perf_counter()
+    r["opt"].step()
+    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, t3 - t0
 
 
 def _finish_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int], rank: int) -> Dict[str, Any]:
@@ -482,6 +518,10 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
                    help="comma-separated contenders to run (plain DDP always runs; default: all of them)")
     p.add_argument("--steps", type=int, default=20, help="timed steps (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--block", type=int, default=1,
+                   help="consecutive steps of one method before the next method's (default: %(default)s: steps "
+                        "interleaved one by one, a barrier before each); more: the first of a block untimed, the "
+                        "rest back to back, as a job trains")
     p.add_argument("--tolerance", type=float, default=1e-4, help="of the float64 check (default: %(default)s)")
     add_launch_args(p)
     a = p.parse_args(argv)
@@ -491,6 +531,8 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--methods: unknown method(s) {sorted(unknown)}")
     if a.warmup < 1:
         p.error("--warmup must be at least 1 (the checked step)")
+    if a.block < 1 or a.steps < 1:
+        p.error("--block and --steps must be at least 1")
     return run_distributed("e2e", argv, a, body, "end-to-end DLRM-like training (slowest rank's medians)",
                            verdict=Verdict("step_ms", ("ddp", "torchrec_dmp"), ("world", "hosts", "rate", "optimizer"),
                                            apart=LOSSY),
