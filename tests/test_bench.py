@@ -390,7 +390,7 @@ def test_e2e_emulated_hosts_refuse_what_cannot_run_with_the_reason():
 
 
 def test_e2e_schedule_gives_every_method_the_same_steps_in_blocks():
-    from sparsecomm.bench.e2e import schedule
+    from sparsecomm.bench.harness import interleaved_schedule as schedule
 
     one = schedule(["a", "b", "c"], 2, 4, 1)
     # One step at a time, each round of steps starting from the next method, a barrier before each; the

@@ -100,7 +100,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm.bench import e2e_torchrec
-from sparsecomm.bench.harness import Row, Verdict, progress
+from sparsecomm.bench.harness import Row, Verdict, interleaved_schedule, progress, rotated
 from sparsecomm.bench.launch import add_launch_args, emulated_link, run_distributed
 from sparsecomm.bench.netns import parse_rate
 from sparsecomm.collectives import methods as sync_methods
@@ -244,7 +244,7 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
     del base
 
     wrong: Dict[str, int] = {}
-    for method, step, timed, first in schedule(list(runs), a.warmup, a.steps, a.block):
+    for method, step, timed, first in interleaved_schedule(list(runs), a.warmup, a.steps, a.block):
         r = runs[method]
         if first:   # a block's first step: every rank starts it together, the link drained of the last method's
             dist.barrier()
@@ -263,7 +263,7 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
         if timed:
             for phase, dt in zip(PHASES, times):
                 r["times"][phase].append(dt)
-        if rank == 0 and step == a.warmup - 1 and method == _rotated(list(runs), step)[-1]:
+        if rank == 0 and step == a.warmup - 1 and method == rotated(list(runs), step)[-1]:
             progress(f"e2e: world {n} {optimizer}: checked ({wrong}), timing {a.steps} steps")
     return dict(medians={m: {p: statistics.median(v) for p, v in r["times"].items()} for m, r in runs.items()},
                 trials={m: r["trial"] for m, r in runs.items() if "trial" in r},
@@ -274,35 +274,8 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
                     getattr(r["model"], "module", r["model"]))) for m, r in runs.items()})
 
 
-def _rotated(names: List[str], k: int) -> List[str]:
-    return names[k % len(names):] + names[:k % len(names)]
-
-
-def schedule(names: List[str], warmup: int, steps: int, block: int) -> List[Tuple[str, int, bool, bool]]:
-    """``(method, step, timed, first of a block)`` in the order they run.
-
-    The ``warmup`` untimed steps go one method at a time; then blocks of
-    ``block`` consecutive steps of one method each, every method in turn. Each
-    round of steps starts from the next method: one stepping right after
-    plain DDP would always find the link still draining DDP's bytes (a tbf
-    queue at 1 Gbit/s), a bias the rotation spreads over all. With
-    ``block`` > 1 a block's first step is not timed (it finds the caches and
-    the link as the last method left them) and its others run back to back,
-    as a training job runs them: what a method overlaps from one step into the
-    next (a pushed gradient, the next step's lookup) counts. Every method
-    takes the same steps, so the same batches.
-    """
-    out = [(m, step, False, True) for step in range(warmup) for m in _rotated(names, step)]
-    per = block - 1 if block > 1 else 1
-    for k in range(-(-steps // per)):
-        first = warmup + k * block
-        out += [(m, first + j, block == 1 or j > 0, j == 0) for m in _rotated(names, warmup + k)
-                for j in range(block)]
-    return out
-
-
 def _steps_per_method(a: argparse.Namespace) -> int:
-    return len(schedule(["one"], a.warmup, a.steps, a.block))
+    return len(interleaved_schedule(["one"], a.warmup, a.steps, a.block))
 
 
 def _train_step(r: Dict[str, Any], b: Any) -> Tuple[float, float, float, float]:

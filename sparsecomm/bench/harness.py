@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -164,6 +164,35 @@ def time_interleaved(contenders: Sequence[Contender], warmup: int = 2, iters: in
             times[c.name].append(time.perf_counter() - t0)
     for name, ts in times.items():
         out[name].update(median=statistics.median(ts), min=min(ts), max=max(ts))
+    return out
+
+
+def rotated(names: List[str], k: int) -> List[str]:
+    """``names`` starting from the ``k``-th (mod its length), the ones before it last."""
+    return names[k % len(names):] + names[:k % len(names)]
+
+
+def interleaved_schedule(names: List[str], warmup: int, steps: int, block: int
+                         ) -> List[Tuple[str, int, bool, bool]]:
+    """``(method, step, timed, first of a block)`` in the order they run.
+
+    The ``warmup`` untimed steps go one method at a time; then blocks of
+    ``block`` consecutive steps of one method each, every method in turn. Each
+    round of steps starts from the next method: one stepping right after
+    plain DDP would always find the link still draining DDP's bytes (a tbf
+    queue at 1 Gbit/s), a bias the rotation spreads over all. With
+    ``block`` > 1 a block's first step is not timed (it finds the caches and
+    the link as the last method left them) and its others run back to back,
+    as a training job runs them: what a method overlaps from one step into the
+    next (a pushed gradient, the next step's lookup) counts. Every method
+    takes the same steps, so the same batches.
+    """
+    out = [(m, step, False, True) for step in range(warmup) for m in rotated(names, step)]
+    per = block - 1 if block > 1 else 1
+    for k in range(-(-steps // per)):
+        first = warmup + k * block
+        out += [(m, first + j, block == 1 or j > 0, j == 0) for m in rotated(names, warmup + k)
+                for j in range(block)]
     return out
 
 
