@@ -489,7 +489,9 @@ def run(argv: Optional[Sequence[str]] = None) -> int:
     add_optimizers_arg(p, "sgd,adagrad")
     p.add_argument("--methods", default=None,
                    help="comma-separated contenders to run (plain DDP always runs; default: all of them)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=50,
+                   help="timed steps per method (default: %(default)s; on a noisy 2-core box 20 left step-to-step "
+                        "noise the size of a 10%% difference)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     p.add_argument("--block", type=int, default=1,
                    help="consecutive steps of one method before the next method's (default: %(default)s: steps "
