@@ -34,6 +34,12 @@ class _BagLoad:
     spread: float     # the chance that a bag has an id on a given owner when row-sharded over N ranks
 
 
+def _pooled_bytes(t: Any) -> float:
+    """A rank's pooled rows of table ``t`` a step, in bytes: its bags (the sample's, else one) x a row's bytes."""
+    row = t.embedding_dim * torch.empty(0, dtype=getattr(torch, t.dtype)).element_size()
+    return (t.bags if t.bags is not None else 1.0) * row
+
+
 def _bag_loads(p: Any, pooled_ok: Dict[str, bool]) -> List[_BagLoad]:
     """The sharded tables that could go table-wise, largest traffic first.
 
@@ -46,11 +52,9 @@ def _bag_loads(p: Any, pooled_ok: Dict[str, bool]) -> List[_BagLoad]:
     for t in p.tables.values():
         if t.placement != "shard" or t.overridden or t.blocker or not pooled_ok.get(t.name):
             continue
-        row = t.embedding_dim * torch.empty(0, dtype=getattr(torch, t.dtype)).element_size()
-        bags = t.bags if t.bags is not None else 1.0
         length = t.bag_length if t.bag_length is not None else math.inf
         spread = 1.0 if math.isinf(length) else 1.0 - (1.0 - 1.0 / n) ** max(1.0, length)
-        out.append(_BagLoad(t.name, bags * row, spread))
+        out.append(_BagLoad(t.name, _pooled_bytes(t), spread))
     return sorted(out, key=lambda b: -b.pooled)
 
 
@@ -127,15 +131,16 @@ def every_bag_table_whole(p: Any) -> List[str]:
     bytes (:func:`place_tables` keeps only assignments that move fewer bytes):
     the placement trial measures it. Tables already whole keep their owner;
     the others go largest first to the rank serving the fewest pooled bytes
-    per bag so far (then the least memory) among those with the memory for
-    the whole table (``memory_budget``); a table no rank has room for stays
-    as it was.
+    a step so far (bags x a row's bytes: a float16 row counts half a float32
+    row of its width), then the least memory, among those with the memory
+    for the whole table (``memory_budget``); a table no rank has room for
+    stays as it was.
     """
     n = max(1, p.world_size)
     served = [0.0] * n
     already = [name for name, t in p.tables.items() if t.placement == "shard" and t.scheme == "table"]
     for name in already:
-        served[p.tables[name].owner] += p.tables[name].embedding_dim
+        served[p.tables[name].owner] += _pooled_bytes(p.tables[name])
     whole = []
     for name, t in sorted(p.tables.items(), key=lambda kv: (-kv[1].memory_replicated, kv[0])):
         if t.kind != "EmbeddingBag" or t.blocker or name in already:
@@ -146,6 +151,6 @@ def every_bag_table_whole(p: Any) -> List[str]:
             continue
         r = min(room, key=lambda r: (served[r], p.memory_on(r) - t.memory_on(r), r))
         p.override(name, "shard", "table", owner=r)
-        served[r] += t.embedding_dim
+        served[r] += _pooled_bytes(t)
         whole.append(name)
     return whole

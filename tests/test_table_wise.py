@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 import sparsecomm.sharded as sh
-from sparsecomm import ops, ownership, planner
+from sparsecomm import ops, ownership, planner, table_wise
 from sparsecomm.sharded.layout import RowLayout
 from sparsecomm.sharded.table import ShardedTable
 
@@ -118,6 +118,23 @@ def test_bag_tables_spread_table_wise_where_that_unloads_the_busiest_rank():
     tight = _placed(2, memory_budget=100 << 20)
     assert tight["a"].scheme == "hash" and tight.memory_per_rank() <= 100 << 20
     assert tight.memory_per_rank() == max(tight.memory_on(r) for r in range(2))
+
+
+def test_every_bag_table_whole_balances_the_bytes_owners_serve_not_the_widths():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            # Largest first: 1.0 MB, 576 kB, 192 kB; a pooled row of 256, 288 and 192 bytes.
+            self.big = nn.EmbeddingBag(4000, 128, mode="sum", sparse=True, dtype=torch.float16)
+            self.mid = nn.EmbeddingBag(2000, 72, mode="sum", sparse=True)
+            self.small = nn.EmbeddingBag(1000, 48, mode="sum", sparse=True)
+
+    p = sparsecomm.plan(Mixed())
+    p.world_size = 2
+    assert table_wise.every_bag_table_whole(p) == ["big", "mid", "small"]
+    # big on 0 (256 B a bag), mid on 1 (288 B), small on 0, the rank serving fewer bytes: 448 B against 288.
+    # By width (128 on 0, 72 on 1) small would have joined mid: 480 B through rank 1.
+    assert [(p[t].scheme, p[t].owner) for t in ("big", "mid", "small")] == [(T, 0), (T, 1), (T, 0)]
 
 
 def test_the_plan_prints_and_overrides_a_table_wise_table():
