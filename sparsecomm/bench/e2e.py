@@ -100,7 +100,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparsecomm
 from sparsecomm.bench import e2e_torchrec
-from sparsecomm.bench.harness import Row, Verdict, interleaved_schedule, progress, rotated
+from sparsecomm.bench.harness import Row, Verdict, interleaved_schedule, progress
 from sparsecomm.bench.launch import add_launch_args, emulated_link, run_distributed
 from sparsecomm.bench.netns import parse_rate
 from sparsecomm.collectives import methods as sync_methods
@@ -232,23 +232,26 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
     expected = ref.state_dict()
     del ref, ref_opt
 
+    names = list(_methods(optimizer, a.methods) + ("floor",))
+    order = interleaved_schedule(names, a.warmup, a.steps, a.block)
+    # Every method takes the same steps: their batches, made once, before any timing.
+    data = [make_batch(a, rows, s, rank) for s in range(1 + max(step for _, step, _, _ in order))]
     runs: Dict[str, Dict[str, Any]] = {}
     plans: Dict[str, str] = {}
-    for method in _methods(optimizer, a.methods) + ("floor",):
+    for method in names:
         model, opt, plans[method] = _build(PIPELINED.get(method, method), copy.deepcopy(base), a, rows, optimizer)
         runs[method] = dict(model=model, opt=opt, times={p: [] for p in PHASES},
                             bytes=_bytes_moved(method, model, batches, rows, a))
-        if method in PIPELINED:   # the same batches as every method's, one ahead (made before any timing)
-            runs[method]["pipe"] = iter(sparsecomm.pipeline(
-                [make_batch(a, rows, s, rank) for s in range(_steps_per_method(a))], model))
+        if method in PIPELINED:   # the same batches, one ahead
+            runs[method]["pipe"] = iter(sparsecomm.pipeline(data, model))
     del base
 
     wrong: Dict[str, int] = {}
-    for method, step, timed, first in interleaved_schedule(list(runs), a.warmup, a.steps, a.block):
+    for i, (method, step, timed, first) in enumerate(order):
         r = runs[method]
         if first:   # a block's first step: every rank starts it together, the link drained of the last method's
             dist.barrier()
-        times = _train_step(r, next(r["pipe"]) if "pipe" in r else make_batch(a, rows, step, rank))
+        times = _train_step(r, next(r["pipe"]) if "pipe" in r else data[step])
         if step == 0 and method == "torchrec_dmp":
             wrong[method] = e2e_torchrec.local_weights_wrong(r["model"], expected, a.tolerance)
         elif step == 0 and method != "floor":
@@ -263,7 +266,7 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
         if timed:
             for phase, dt in zip(PHASES, times):
                 r["times"][phase].append(dt)
-        if rank == 0 and step == a.warmup - 1 and method == rotated(list(runs), step)[-1]:
+        if rank == 0 and i == a.warmup * len(names) - 1:   # the warm-up's last step
             progress(f"e2e: world {n} {optimizer}: checked ({wrong}), timing {a.steps} steps")
     return dict(medians={m: {p: statistics.median(v) for p, v in r["times"].items()} for m, r in runs.items()},
                 trials={m: r["trial"] for m, r in runs.items() if "trial" in r},
@@ -272,10 +275,6 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
                 plan=plans.get("parallelize", ""), plans=plans, bytes={m: r["bytes"] for m, r in runs.items()},
                 sharded={m: m == "torchrec_dmp" or bool(sparsecomm.sharded.sharded_modules(
                     getattr(r["model"], "module", r["model"]))) for m, r in runs.items()})
-
-
-def _steps_per_method(a: argparse.Namespace) -> int:
-    return len(interleaved_schedule(["one"], a.warmup, a.steps, a.block))
 
 
 def _train_step(r: Dict[str, Any], b: Any) -> Tuple[float, float, float, float]:

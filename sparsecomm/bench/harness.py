@@ -167,7 +167,7 @@ def time_interleaved(contenders: Sequence[Contender], warmup: int = 2, iters: in
     return out
 
 
-def rotated(names: List[str], k: int) -> List[str]:
+def _rotated(names: List[str], k: int) -> List[str]:
     """``names`` starting from the ``k``-th (mod its length), the ones before it last."""
     return names[k % len(names):] + names[:k % len(names)]
 
@@ -187,11 +187,11 @@ def interleaved_schedule(names: List[str], warmup: int, steps: int, block: int
     next (a pushed gradient, the next step's lookup) counts. Every method
     takes the same steps, so the same batches.
     """
-    out = [(m, step, False, True) for step in range(warmup) for m in rotated(names, step)]
+    out = [(m, step, False, True) for step in range(warmup) for m in _rotated(names, step)]
     per = block - 1 if block > 1 else 1
     for k in range(-(-steps // per)):
         first = warmup + k * block
-        out += [(m, first + j, block == 1 or j > 0, j == 0) for m in rotated(names, warmup + k)
+        out += [(m, first + j, block == 1 or j > 0, j == 0) for m in _rotated(names, warmup + k)
                 for j in range(block)]
     return out
 
