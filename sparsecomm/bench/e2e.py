@@ -68,6 +68,11 @@ table-wise table, on the busiest rank, (N-1) B r of pooled rows sent as its
 owner, else B r of gradient plus its ids (B bags a rank). k is a rank's
 distinct ids of a table in a batch, U their union over ranks.
 
+``cpu_ms``: the CPU time the rank's process spent on a step (all its
+threads: gloo's workers, the hook's), the median of the slowest rank. Where
+ranks outnumber cores (emulated hosts on this machine) the ranks' CPU
+together, not the link, can set the step time.
+
 Across hosts (``--hosts H --rate R``, as root): H network namespaces on this
 machine, each host's link capped both ways at R with tbf, ``--ranks-per-host``
 ranks per host, gloo between hosts (``sparsecomm.bench.launch``).
@@ -116,7 +121,7 @@ METHODS = ("ddp", "register", "register_fused", "register_eager", "parallelize",
 # when --methods names them: every method holds a model, and 14 of them at 4 ranks outgrew 24 GiB.
 PIPELINED = {"parallelize_pipelined": "parallelize", "table_wise_pipelined": "table_wise"}
 LOSSY = ("register_bf16", "parallelize_bf16")   # compared, checked against the same tolerance, left out of the verdict
-PHASES = ("forward", "backward", "optimizer", "step")
+PHASES = ("forward", "backward", "optimizer", "step", "cpu")
 # Adagrad starts its accumulators at 0.1 (as DLRM setups do): a first step of lr * g / |g| would make the
 # float64 check meaningless for gradients near zero, where float32 and float64 disagree on the sign.
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.05)),
@@ -277,8 +282,10 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
                     getattr(r["model"], "module", r["model"]))) for m, r in runs.items()})
 
 
-def _train_step(r: Dict[str, Any], b: Any) -> Tuple[float, float, float, float]:
-    """One training step of a method: the seconds of its forward, backward, optimizer step and all three."""
+def _train_step(r: Dict[str, Any], b: Any) -> Tuple[float, float, float, float, float]:
+    """One training step of a method: the seconds of its forward, backward, optimizer step and all three, and
+    the CPU seconds the process (all its threads: gloo's, the hook's) spent on the step."""
+    c0 = time.process_time()
     t0 = time.perf_counter()
     r["opt"].zero_grad(set_to_none=True)
     loss = loss_of(r["model"], b)
@@ -287,7 +294,7 @@ def _train_step(r: Dict[str, Any], b: Any) -> Tuple[float, float, float, float]:
     t2 = time.perf_counter()
     r["opt"].step()
     t3 = time.perf_counter()
-    return t1 - t0, t2 - t1, t3 - t2, t3 - t0
+    return t1 - t0, t2 - t1, t3 - t2, t3 - t0, time.process_time() - c0
 
 
 def _finish_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int], rank: int) -> Dict[str, Any]:
@@ -447,7 +454,7 @@ def body(a: argparse.Namespace) -> List[Row]:
                 "floor_ms": 1e3 * compute, "MB_moved": moved / 1e6,
                 "link_floor_ms": 1e3 * (compute + moved / (parse_rate(link[2]) / 8)) if link else "",
                 "forward_ms": 1e3 * med[m]["forward"], "backward_ms": 1e3 * med[m]["backward"],
-                "optimizer_ms": 1e3 * med[m]["optimizer"],
+                "optimizer_ms": 1e3 * med[m]["optimizer"], "cpu_ms": 1e3 * med[m]["cpu"],
                 "#wrong": max(e["wrong"][m] for e in everyone), **_trial_columns(mine["trials"].get(m), step)}))
         if e2e_torchrec.missing(optimizer) and "torchrec_dmp" in (a.methods or "torchrec_dmp"):
             out.append(Row({"world": n, **where, "optimizer": optimizer, "method": "torchrec_dmp",
