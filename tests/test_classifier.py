@@ -302,11 +302,15 @@ def test_a_dense_bucket_fuses_when_its_extra_bytes_cost_less_than_its_own_all_re
 
     state = SparseCommState.__new__(SparseCommState)   # the decision alone: no process group needed
     state.fuse_dense, state.compression, state.world_size, state.latency_bytes = True, None, 4, 64 * 1024
+    state.row_tables = True
     bucket = torch.zeros(64 * 1024)   # 256 KB: the fused exchange moves 3 x 256 KB against a ring's 1.5 x 256 KB
     state.link = None
     assert not state.fuses_dense(bucket)   # 384 KB extra > 64 KB of an all-to-all's latency
     # All-to-alls through shared memory (30 us) but the bucket's own all-reduce on gloo (1 ms at 3 GB/s: 3 MB):
     state.link = LinkProbe(3e-5, 3e9, 1, None, 1e-3)
     assert state.fuses_dense(bucket)
+    state.row_tables = False   # no table for the hook to sync: no exchange to ride in
+    assert not state.fuses_dense(bucket)
+    state.row_tables = True
     state.link = LinkProbe(3e-5, 3e9, 1)   # no backend timing: priced as latency_bytes
     assert not state.fuses_dense(bucket)

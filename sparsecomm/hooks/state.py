@@ -132,7 +132,8 @@ class SparseCommState:
         "config", "process_group",
         # internal state
         "world_size", "local_world_size", "latency_bytes", "link", "_backend", "_sparse_group", "_tuners",
-        "param_names", "dense_embedding_names", "decisions", "iteration", "_decided_at", "_calls", "_suggested",
+        "param_names", "dense_embedding_names", "row_tables", "decisions", "iteration", "_decided_at", "_calls",
+        "_suggested",
         "step", "_capacity", "_lock", "_module", "eager_trial",
         # statistics
         "stats", "step_stats", "history",
@@ -183,6 +184,9 @@ class SparseCommState:
         self._init_runtime()
         self.param_names: Dict[int, str] = {}
         self.dense_embedding_names: Dict[str, Tuple[int, int]] = {}
+        # Whether the model has trainable embedding tables, whose rows make a step's sparse exchange (unknown
+        # without a model: assumed so). Without them a dense bucket has no exchange to ride in.
+        self.row_tables = True
         self.decisions: Dict[str, Decision] = _Decisions()
         self.iteration = 0
         self._decided_at: Dict[str, int] = {}
@@ -224,9 +228,12 @@ class SparseCommState:
             unknown.discard(name)
         if unknown:
             raise ValueError(f"overrides name parameters the model does not have: {sorted(unknown)}")
-        for mod_name, mod in module.named_modules():
-            if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and not mod.sparse:
+        tables = [(mod_name, mod) for mod_name, mod in module.named_modules()
+                  if isinstance(mod, (nn.Embedding, nn.EmbeddingBag))]
+        for mod_name, mod in tables:
+            if not mod.sparse:
                 self.dense_embedding_names[f"{mod_name}.weight" if mod_name else "weight"] = tuple(mod.weight.shape)
+        self.row_tables = any(mod.weight.requires_grad for _, mod in tables)
         self.step.clears_empty = install_unused_table_hook(module) > 0
         self._module = weakref.ref(module)
 
@@ -394,9 +401,15 @@ class SparseCommState:
         return comm_device(self.sparse_group, like)
 
     def fuses_dense(self, buffer: torch.Tensor) -> bool:
-        """Should this dense bucket ride in the step's sparse exchange? (Same answer on every rank.)"""
+        """Should this dense bucket ride in the step's sparse exchange? (Same answer on every rank.)
+
+        Only where the model has embedding tables for the hook to sync: without them (every table sharded,
+        say) the step has no sparse exchange, and the bucket's own all-reduce costs less than an exchange
+        made for it alone (measured: 1.4 ms of CPU a step at 2 and 4 emulated hosts, docs/DESIGN.md).
+        """
         # With sparse_compression the fused bucket stays exact (the call compresses per tensor).
-        if not self.config.fuse_dense or self.config.compression is not None or buffer.dtype not in _FUSABLE:
+        if not self.config.fuse_dense or self.config.compression is not None or buffer.dtype not in _FUSABLE \
+                or not self.row_tables:
             return False
         n, nbytes = self.world_size, buffer.numel() * buffer.element_size()
         extra = (n - 1) * nbytes - ring_allreduce_bytes(buffer.numel(), buffer.element_size(), n)
