@@ -309,8 +309,10 @@ def test_a_dense_bucket_fuses_when_its_extra_bytes_cost_less_than_its_own_all_re
     # All-to-alls through shared memory (30 us) but the bucket's own all-reduce on gloo (1 ms at 3 GB/s: 3 MB):
     state.link = LinkProbe(3e-5, 3e9, 1, None, 1e-3)
     assert state.fuses_dense(bucket)
-    state.row_tables = False   # no table for the hook to sync: no exchange to ride in
-    assert not state.fuses_dense(bucket)
-    state.row_tables = True
+    state.row_tables = False   # no table for the hook to sync: an exchange of its own, through shared memory
+    assert state.fuses_dense(bucket)
+    state.link = LinkProbe(3e-3, 3e9, 1)   # ... but not through the backend, whatever the bytes
+    assert not state.fuses_dense(torch.zeros(16))
+    state.row_tables, state.link = True, LinkProbe(3e-5, 3e9, 1)
     state.link = LinkProbe(3e-5, 3e9, 1)   # no backend timing: priced as latency_bytes
     assert not state.fuses_dense(bucket)

@@ -357,12 +357,16 @@ def _dense_only_worker(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_model_without_tables_keeps_its_dense_buckets_on_their_all_reduce(world):
-    """No embedding table under DDP (every table sharded): no sparse exchange for a bucket to ride in, so
-    each bucket takes its own all-reduce (riding alone cost 1.4 ms of CPU a step across hosts), and the
-    gradients are plain DDP's."""
-    for row_tables, paths in run_ranks(world, _dense_only_worker).values():
+    """No embedding table under DDP (every table sharded): no sparse exchange for a bucket to ride in.
+    Where the exchange would go through the backend (gloo here, as between hosts), each bucket takes its
+    own all-reduce (riding alone cost 1.4 ms of CPU a step across hosts); through shared memory it still
+    rides (cheaper than gloo's all-reduce on one host). Either way the gradients are plain DDP's."""
+    for row_tables, paths in run_ranks(world, _dense_only_worker, env={"SPARSECOMM_SHM": "0"}).values():
         assert row_tables is False
         assert "dense" in paths and "dense-fused" not in paths, paths
+    for row_tables, paths in run_ranks(world, _dense_only_worker, env={"SPARSECOMM_SHM": "1"}).values():
+        assert row_tables is False
+        assert "dense-fused" in paths and "dense" not in paths, paths
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])

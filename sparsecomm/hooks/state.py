@@ -403,21 +403,24 @@ class SparseCommState:
     def fuses_dense(self, buffer: torch.Tensor) -> bool:
         """Should this dense bucket ride in the step's sparse exchange? (Same answer on every rank.)
 
-        Only where the model has embedding tables for the hook to sync: without them (every table sharded,
-        say) the step has no sparse exchange, and the bucket's own all-reduce costs less than an exchange
-        made for it alone (measured: 1.4 ms of CPU a step at 2 and 4 emulated hosts, docs/DESIGN.md).
+        A model without embedding tables for the hook to sync (every table sharded, say) has no sparse
+        exchange: the bucket would make one of its own. That pays only where the group's all-to-alls
+        bypass the backend (shared memory, one host: 15% off the step at world 4 against gloo's
+        all-reduce); through the backend it costs more CPU than the all-reduce (1.4 ms a step at 2 and 4
+        emulated hosts, docs/DESIGN.md).
         """
         # With sparse_compression the fused bucket stays exact (the call compresses per tensor).
-        if not self.config.fuse_dense or self.config.compression is not None or buffer.dtype not in _FUSABLE \
-                or not self.row_tables:
+        if not self.config.fuse_dense or self.config.compression is not None or buffer.dtype not in _FUSABLE:
+            return False
+        link = self.link
+        bypasses = link is not None and link.backend_latency_s is not None
+        if not self.row_tables and not bypasses:
             return False
         n, nbytes = self.world_size, buffer.numel() * buffer.element_size()
         extra = (n - 1) * nbytes - ring_allreduce_bytes(buffer.numel(), buffer.element_size(), n)
         # Fusing saves the bucket's own all-reduce: on a group whose all-to-alls bypass the backend (shared
         # memory), that all-reduce costs the backend's latency, not the probe's all-to-all.
-        link = self.link
-        saved = link.other_latency_s * link.bytes_per_s if link is not None and link.backend_latency_s is not None \
-            else self.latency_bytes
+        saved = link.other_latency_s * link.bytes_per_s if bypasses else self.latency_bytes
         return nbytes <= _MAX_FUSED_DENSE_BYTES and extra <= saved
 
     def capacity_for(self, key: Any) -> Optional[List[int]]:
