@@ -313,6 +313,6 @@ def test_a_dense_bucket_fuses_when_its_extra_bytes_cost_less_than_its_own_all_re
     assert state.fuses_dense(bucket)
     state.link = LinkProbe(3e-3, 3e9, 1)   # ... but not through the backend, whatever the bytes
     assert not state.fuses_dense(torch.zeros(16))
-    state.row_tables, state.link = True, LinkProbe(3e-5, 3e9, 1)
+    state.row_tables = True
     state.link = LinkProbe(3e-5, 3e9, 1)   # no backend timing: priced as latency_bytes
     assert not state.fuses_dense(bucket)

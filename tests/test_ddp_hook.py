@@ -1,5 +1,6 @@
 """The DDP hook against DDP without it and against single-process training on the whole batch."""
 
+import contextlib
 import copy
 import pickle
 
@@ -342,29 +343,35 @@ class _DenseOnly(nn.Module):
         return self.b(torch.relu(self.a(x))).sum()
 
 
-def _dense_only_worker(rank, world):
-    ours, plain = DDP(_DenseOnly()), DDP(_DenseOnly())
+def _dense_only_worker(rank, world, ddp_kwargs):
+    ours, plain = DDP(_DenseOnly(), **ddp_kwargs), DDP(_DenseOnly(), **ddp_kwargs)
     state = sparsecomm.register(ours, eager_sparse=False)
-    for step in range(3):
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+    for step in range(4):
         for model in (ours, plain):
             model.zero_grad(set_to_none=True)
-            model(x).backward()
+            # After a first synced step (static_graph records its graph there), no_sync for the first
+            # micro-batch: its gradient adds up locally.
+            for micro in range(2 if step else 1):
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+                with model.no_sync() if micro == 0 and step else contextlib.nullcontext():
+                    model(x).backward()
         for a, b in zip(ours.parameters(), plain.parameters()):
             assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7), (step, float((a.grad - b.grad).abs().max()))
     return state.row_tables, sorted(state.stats)
 
 
+@pytest.mark.parametrize("ddp_kwargs", [{}, {"static_graph": True}])
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_model_without_tables_keeps_its_dense_buckets_on_their_all_reduce(world):
+def test_a_model_without_tables_keeps_its_dense_buckets_on_their_all_reduce(world, ddp_kwargs):
     """No embedding table under DDP (every table sharded): no sparse exchange for a bucket to ride in.
     Where the exchange would go through the backend (gloo here, as between hosts), each bucket takes its
     own all-reduce (riding alone cost 1.4 ms of CPU a step across hosts); through shared memory it still
-    rides (cheaper than gloo's all-reduce on one host). Either way the gradients are plain DDP's."""
-    for row_tables, paths in run_ranks(world, _dense_only_worker, env={"SPARSECOMM_SHM": "0"}).values():
+    rides (cheaper than gloo's all-reduce on one host). Either way the gradients are plain DDP's, with
+    ``no_sync`` accumulation and under ``static_graph``."""
+    for row_tables, paths in run_ranks(world, _dense_only_worker, ddp_kwargs, env={"SPARSECOMM_SHM": "0"}).values():
         assert row_tables is False
         assert "dense" in paths and "dense-fused" not in paths, paths
-    for row_tables, paths in run_ranks(world, _dense_only_worker, env={"SPARSECOMM_SHM": "1"}).values():
+    for row_tables, paths in run_ranks(world, _dense_only_worker, ddp_kwargs, env={"SPARSECOMM_SHM": "1"}).values():
         assert row_tables is False
         assert "dense-fused" in paths and "dense" not in paths, paths
 
