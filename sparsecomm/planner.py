@@ -61,7 +61,7 @@ from sparsecomm.collectives.objects import all_gather_objects, world
 from sparsecomm.ownership import owner_range_size, scheme_of
 from sparsecomm.prices import ROUND_COLLECTIVES, measure_prices, predict
 from sparsecomm.sample_batch import Sample, sample_ids, sample_problem
-from sparsecomm.table_wise import place_tables, pools_at_owner
+from sparsecomm.table_wise import ROWS_SPREAD, place_tables, pools_at_owner
 
 __all__ = ["Plan", "TablePlan", "plan", "refuse_wrapped", "PLACEMENTS", "PLAN_FORMAT"]
 
@@ -464,8 +464,7 @@ def _decide(p: Plan, small_table_bytes: int) -> None:
                             f"(optimizer on {t.union} rows at {_row_price(t)})")
         else:
             t.placement = "shard"
-            t.reason = (f"large ({_mib(t.memory_replicated)} MiB replicated): 1/{p.world_size} of the rows and "
-                        f"optimizer work per rank")
+            t.reason = f"large ({_mib(t.memory_replicated)} MiB replicated): {ROWS_SPREAD.format(n=p.world_size)}"
     # The lookup round's own collectives are paid once for all sharded tables: shard only when the
     # tables' summed saving (with a sample batch) beats them.
     chosen = [t for t in tables if t.placement == "shard" and t.bytes_sharded is not None]

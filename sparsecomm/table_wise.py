@@ -17,7 +17,10 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-__all__ = ["place_tables", "pools_at_owner", "every_bag_table_whole"]
+__all__ = ["ROWS_SPREAD", "place_tables", "pools_at_owner", "every_bag_table_whole"]
+
+# The planner's reason for sharding a large table by rows; a table placed whole on one rank says so instead.
+ROWS_SPREAD = "1/{n} of the rows and optimizer work per rank"
 
 
 def pools_at_owner(m: nn.Module) -> bool:
@@ -120,8 +123,9 @@ def place_tables(p: Any, pooled_ok: Dict[str, bool]) -> None:
         t.scheme, t.owner = "table", r
         unit = (f"{end / 1e6:.3g} MB/step of pooled rows instead of {start / 1e6:.3g} MB" if t.bags is not None else
                 f"{end:.3g} B of pooled rows per bag of each table instead of {start:.3g} B")
-        t.reason += f"; whole on rank {r} (table-wise, {len(chosen)} tables over the ranks): the busiest rank moves " \
-                    f"{unit} row-sharded"
+        t.reason = t.reason.replace(ROWS_SPREAD.format(n=n), "sharded") + \
+            f"; whole on rank {r} (table-wise, {len(chosen)} tables over the ranks): the busiest rank moves " \
+            f"{unit} row-sharded"
 
 
 def every_bag_table_whole(p: Any) -> List[str]:

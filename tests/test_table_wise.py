@@ -92,7 +92,7 @@ class Bags(nn.Module):
         self.e = nn.Embedding(100_000, 16, sparse=True)
 
 
-def _placed(world, tables=("a", "b", "c", "e"), memory_budget=None, modules=None):
+def _placed(world, tables=("a", "b", "c", "e"), memory_budget=None, modules=None, reason="x"):
     """The default plan's choice at ``world`` ranks for the given tables sharded (row-sharded first)."""
     m = modules or Bags()
     p = planner.plan(m)
@@ -100,7 +100,7 @@ def _placed(world, tables=("a", "b", "c", "e"), memory_budget=None, modules=None
     for name, x in planner.embedding_modules(m):
         t = p.tables[name]
         t.memory_sharded = planner._describe(name, x, world, "SGD").memory_sharded   # the plan was made at world 1
-        t.placement, t.scheme, t.owner, t.reason = ("shard" if t.name in tables else "replicate"), "hash", None, "x"
+        t.placement, t.scheme, t.owner, t.reason = ("shard" if t.name in tables else "replicate"), "hash", None, reason
     planner.place_tables(p, {n: planner.pools_at_owner(x) for n, x in planner.embedding_modules(m)})
     return p
 
@@ -111,6 +111,10 @@ def test_bag_tables_spread_table_wise_where_that_unloads_the_busiest_rank():
     four = _placed(4)
     assert sorted(four[t].owner for t in "abc") == [0, 1, 2] and four["e"].scheme == "hash"
     assert "whole on rank" in two["a"].reason and "B of pooled rows per bag" in two["a"].reason
+    # A table placed whole no longer claims the row-sharded spread the planner gave as its reason.
+    said = _placed(2, reason="large (1 MiB replicated): 1/2 of the rows and optimizer work per rank")
+    assert said["a"].reason.startswith("large (1 MiB replicated): sharded; whole on rank 0")
+    assert said["e"].reason.endswith("1/2 of the rows and optimizer work per rank")   # still row-sharded
     # One bag table at two ranks: the same bytes either way, so its work stays spread (row-sharded).
     one = _placed(2, tables=("a",))
     assert one["a"].scheme == "hash" and one["a"].owner is None
