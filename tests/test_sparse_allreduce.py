@@ -6,13 +6,14 @@ Ranks are spawned once per world size; each runs every case and reports back.
 import hashlib
 import os
 import time
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import sparsecomm
-from sparsecomm.collectives import sync_wire
+from sparsecomm.collectives import groups, sync_wire
 from sparsecomm.cost_model import partitioned_floor_bytes
 from sparsecomm.synthetic import zipf_ids
 from sparsecomm.types import SparseSyncStats
@@ -192,6 +193,27 @@ def _async_worker(rank, world):
             assert d[r].tolist() == [float(i + 1)] * 3
     assert float(chained.wait()) == 3 * world + 3 * world
     return float(x)
+
+
+class _Held:
+    """Stands for what a job's closure holds (a hook step's gradients, views of DDP's buckets)."""
+
+
+def _released(ref: weakref.ref) -> bool:
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return ref() is None
+
+
+def test_the_worker_thread_lets_a_finished_job_go():
+    """What a finished job held is released when it ends, not when the group's next job comes (none here)."""
+    held = _Held()
+    ref = weakref.ref(held)
+    fut = groups.run_async(lambda h=held: 7, group=object())   # a group of its own: its own worker thread
+    del held
+    assert fut.wait() == 7
+    assert _released(ref)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -127,7 +127,12 @@ class _Runner:
     """One worker thread running submitted jobs in submission order.
 
     Order matters: every rank submits its jobs in the same program order, and
-    the jobs' collectives must meet in that order on every rank.
+    the jobs' collectives must meet in that order on every rank. A finished
+    job is let go at once (its closure, its result, its future): only the
+    future's holders keep what it returned. Held until the next job, which
+    may come many steps later, a hook's job would keep that step's gradients
+    and views of DDP's buckets alive and release them on this thread at an
+    arbitrary later point.
     """
 
     def __init__(self) -> None:
@@ -137,20 +142,25 @@ class _Runner:
 
     def _loop(self) -> None:
         while True:
-            job, fut, stream = self._jobs.get()
-            try:
-                if stream is None:
-                    result = job()
-                else:
-                    # The caller's stream: the job sees every kernel the caller
-                    # queued before submitting; its result is complete on return.
-                    with torch.cuda.stream(stream):
-                        result = job()
-                    stream.synchronize()
-            except BaseException as exc:  # delivered to whoever waits on the future
-                fut.set_exception(exc)
+            self._run(*self._jobs.get())   # nothing of a finished job stays referenced from this frame
+
+    @staticmethod
+    def _run(job: Callable[[], object], fut: torch.futures.Future, stream) -> None:
+        try:
+            if stream is None:
+                result = job()
             else:
-                fut.set_result(result)
+                # The caller's stream: the job sees every kernel the caller
+                # queued before submitting; its result is complete on return.
+                with torch.cuda.stream(stream):
+                    result = job()
+                stream.synchronize()
+        except BaseException as exc:  # delivered to whoever waits on the future
+            del job
+            fut.set_exception(exc)   # its traceback keeps the job's frame while the future keeps the error
+        else:
+            del job   # its closure (the step's tensors) goes now, not when the next job arrives
+            fut.set_result(result)
 
     def submit(self, job: Callable[[], object], stream) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
