@@ -142,7 +142,7 @@ class _Runner:
 
     def _loop(self) -> None:
         while True:
-            self._run(*self._jobs.get())   # nothing of a finished job stays referenced from this frame
+            self._run(*self._jobs.get())   # a job's closure and result go when _run returns, not at the next job
 
     @staticmethod
     def _run(job: Callable[[], object], fut: torch.futures.Future, stream) -> None:
@@ -156,10 +156,8 @@ class _Runner:
                     result = job()
                 stream.synchronize()
         except BaseException as exc:  # delivered to whoever waits on the future
-            del job
-            fut.set_exception(exc)   # its traceback keeps the job's frame while the future keeps the error
+            fut.set_exception(exc)
         else:
-            del job   # its closure (the step's tensors) goes now, not when the next job arrives
             fut.set_result(result)
 
     def submit(self, job: Callable[[], object], stream) -> torch.futures.Future:
