@@ -1,5 +1,8 @@
 // pack rows: copy rows, optionally through an index, straight into their
-// places in a byte buffer (a send buffer), converting ids to their wire width.
+// places in a byte buffer (a send buffer), converting ids to their wire width;
+// unpack rows: copy rows out of their places in a byte buffer (a receive
+// buffer) into one tensor, back to back.
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -79,6 +82,40 @@ void pack_rows(const void* src, int64_t src_rows, size_t src_row_bytes, const vo
   }
 }
 
+// Copies rows out of a byte buffer (reading a receive buffer). Segment s
+// (segments[3s .. 3s+2] = start, count, byte offset) copies `count` rows of
+// `row_bytes` from src + offset to rows start .. start+count of dst. Every
+// segment is checked before anything is written.
+void unpack_rows(const void* src, int64_t src_bytes, int64_t nseg, const int64_t* segments, void* dst,
+                 int64_t dst_rows, size_t row_bytes, int threads) {
+  threads = clamp_threads(threads);
+  if (src_bytes < 0 || dst_rows < 0 || nseg < 0) throw std::invalid_argument("sparsecomm: negative size");
+  const int64_t rb = static_cast<int64_t>(row_bytes);
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t start = segments[3 * s], count = segments[3 * s + 1], offset = segments[3 * s + 2];
+    if (start < 0 || count < 0 || start > dst_rows || count > dst_rows - start)
+      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + " writes rows outside the output");
+    if (offset < 0 || offset > src_bytes || (rb && count > (src_bytes - offset) / rb))
+      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + " reads outside the buffer");
+  }
+  if (rb == 0) return;
+  const char* in = static_cast<const char*>(src);
+  char* out = static_cast<char*>(dst);
+  // Chunks of about 64 KiB: one memcpy each, spread over the threads.
+  const int64_t chunk_rows = std::max<int64_t>(1, (int64_t{1} << 16) / rb);
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t start = segments[3 * s], count = segments[3 * s + 1];
+    const char* from = in + segments[3 * s + 2];
+    char* to = out + start * rb;
+    const int64_t chunks = (count + chunk_rows - 1) / chunk_rows;
+#pragma omp parallel for num_threads(threads) schedule(static) if (chunks > 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t first = c * chunk_rows, rows = std::min(chunk_rows, count - first);
+      std::memcpy(to + first * rb, from + first * rb, static_cast<size_t>(rows * rb));
+    }
+  }
+}
+
 // ---- binding ----
 
 SPARSECOMM_BIND(pack) {
@@ -94,6 +131,16 @@ SPARSECOMM_BIND(pack) {
         py::arg("index_len"), py::arg("nseg"), py::arg("segments"), py::arg("dst"), py::arg("dst_bytes"),
         py::arg("wire_id_bytes"), py::arg("threads"),
         "Copy (indexed) rows into segments of a byte buffer; index may be 0 (rows in order).");
+  m.def("unpack_rows",
+        [](uintptr_t src, int64_t src_bytes, int64_t nseg, uintptr_t segments, uintptr_t dst, int64_t dst_rows,
+           size_t row_bytes, int threads) {
+          py::gil_scoped_release release;
+          unpack_rows(ptr(src), src_bytes, nseg, ptr<const int64_t>(segments), ptr(dst), dst_rows, row_bytes,
+                      threads);
+        },
+        py::arg("src"), py::arg("src_bytes"), py::arg("nseg"), py::arg("segments"), py::arg("dst"),
+        py::arg("dst_rows"), py::arg("row_bytes"), py::arg("threads"),
+        "Copy segments of a byte buffer into consecutive rows of a tensor.");
 }
 
 }  // namespace sparsecomm

@@ -319,7 +319,7 @@ def test_coalesce_partition_matches_cpu(value_dtype):
 
 
 @pytest.mark.parametrize("wire", [None, torch.int16, torch.int64], ids=str)
-def test_pack_rows_and_coalesce_segments_match_cpu(wire):
+def test_pack_rows_unpack_rows_and_coalesce_segments_match_cpu(wire):
     ids = make_ids("zipf", torch.int64)
     values = make_values(ids.numel(), 5, torch.float16)
     index = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))
@@ -333,6 +333,10 @@ def test_pack_rows_and_coalesce_segments_match_cpu(wire):
     ops.pack_rows(cpu, src, index, segments, wire_ids=wire)
     ops.pack_rows(gpu, src.to(CUDA), index.to(CUDA), segments, wire_ids=wire)
     assert torch.equal(gpu.cpu(), cpu)
+    if wire is None:  # and read back into one tensor, segments in the other order
+        back = torch.zeros_like(src, device=CUDA)
+        ops.unpack_rows(back, gpu, segments[::-1])
+        assert torch.equal(back.cpu(), src.index_select(0, index))
     # Ids then rows, as a receive buffer holds them; summed straight out of it.
     n = ids.numel()
     buf = torch.zeros(8 * n + 10 * n + 16, dtype=torch.uint8)

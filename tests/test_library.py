@@ -18,8 +18,8 @@ from test_ops import INDEX_DTYPES, VALUE_DTYPES, row_inputs
 # Fewer examples than test_ops: the fused kernels share the grouping and reductions tested there.
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-OPS = ["coalesce", "coalesce_partition", "partition", "gather", "scatter_add_", "pack_rows_", "coalesce_segments",
-       "group_by", "unique_inverse", "pooled_request"]
+OPS = ["coalesce", "coalesce_partition", "partition", "gather", "scatter_add_", "pack_rows_", "unpack_rows_",
+       "coalesce_segments", "group_by", "unique_inverse", "pooled_request"]
 
 
 def _opcheck_cases():
@@ -39,6 +39,7 @@ def _opcheck_cases():
         ("scatter_add_", (torch.zeros(5, 3), ids, torch.ones(4, 3))),
         ("pack_rows_", (buf, v, ids, [0, 2, 0, 2, 2, 48], 0)),
         ("pack_rows_", (buf, ids, None, [0, 4, 8], 2)),
+        ("unpack_rows_", (torch.zeros(4, 3, dtype=torch.float64), buf, [1, 3, 8, 0, 1, 104])),
         ("coalesce_segments", (seg_buf, [2, 0, 16, 2, 8, 40], 4, torch.float32, 3, 5, torch.int64, False)),
     ]
 
@@ -191,6 +192,50 @@ def test_pack_rows_checks_everything_before_writing():
         ops.pack_rows(buf, torch.tensor([1, 40000]), None, [(0, 2, 0)], wire_ids=torch.int16)
     with pytest.raises(ValueError, match="buffer must be a contiguous 1-D uint8"):
         ops.pack_rows(torch.zeros(8), src, None, [])
+
+
+# ------------------------------------------------------------- unpack_rows
+
+
+@SETTINGS
+@given(row_inputs(max_n=500), st.integers(1, 4))
+def test_unpack_rows_reads_back_what_pack_rows_wrote(inp, peers):
+    ids, values, num_rows = inp
+    n = ids.shape[0]
+    g = torch.Generator().manual_seed(n + peers)
+    cuts = sorted(torch.randint(0, n + 1, (peers - 1,), generator=g).tolist())
+    bounds = [0, *cuts, n]
+    for src in (values, ids):
+        width = math.prod(src.shape[1:]) * src.element_size()
+        segments, pos = [], 8
+        for a, b in zip(bounds, bounds[1:]):   # 8-aligned regions with gaps, as a receive buffer holds them
+            segments.append((a, b - a, pos))
+            pos += -(-(b - a) * width // 8) * 8 + 8
+        buf = torch.full((pos,), 0xAB, dtype=torch.uint8)
+        ops.pack_rows(buf, src, None, segments)
+        # Read back in another order: every row lands where its segment says.
+        out = torch.full_like(src, 7) if src.is_floating_point() else torch.full_like(src, -1)
+        ops.unpack_rows(out, buf, segments[::-1])
+        assert torch.equal(out.view(-1).view(torch.uint8) if n else out, src.view(-1).view(torch.uint8) if n else src)
+
+
+def test_unpack_rows_fills_only_its_segments_and_checks_before_writing():
+    buf = torch.arange(64, dtype=torch.uint8)
+    out = torch.zeros(4, 2, dtype=torch.int16)
+    ops.unpack_rows(out, buf, [(1, 2, 8), (0, 1, 40)])
+    assert out[3].tolist() == [0, 0]   # no segment covers row 3
+    assert out[:3].reshape(-1).view(torch.uint8).tolist() == list(range(40, 44)) + list(range(8, 16))
+    for segments, match in (([(3, 2, 0)], "writes rows outside the output"),
+                            ([(0, 2, 60)], "reads outside the buffer"),
+                            ([(0, 1, 0), (-1, 1, 0)], "writes rows outside the output")):
+        out.zero_()
+        with pytest.raises(ValueError, match=match):
+            ops.unpack_rows(out, buf, segments)
+        assert not out.any()
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        ops.unpack_rows(torch.zeros(4, 4).t(), buf, [])
+    with pytest.raises(ValueError, match="overlaps"):
+        ops.unpack_rows(buf[8:16].view(torch.int16).view(4, 1), buf, [(0, 4, 0)])
 
 
 # ----------------------------------------------------- coalesce_segments

@@ -31,6 +31,9 @@ Ops (values are 2-D ``(n, d)`` here; ``num_rows < 0`` means no upper bound):
 - ``pack_rows_(buffer!, src, index?, segments, wire_id_bytes)``: copy rows
   (``src[index[start:start+count]]``) straight into their places in a byte
   buffer, ``segments`` flat ``[start, count, byte_offset] * nseg``.
+- ``unpack_rows_(out!, buffer, segments)``: copy ``count`` rows from ``buffer[byte_offset:]``
+  into ``out[start:start+count]`` for each segment (reading a receive buffer),
+  ``segments`` flat ``[start, count, byte_offset] * nseg``.
 - ``coalesce_segments(buffer, segments, id_bytes, value_dtype, d, num_rows, out_ids_dtype, out_acc)
   -> (unique_ids, sums)``: coalesce rows straight out of a receive buffer,
   ``segments`` flat ``[count, id_byte_offset, value_byte_offset] * nseg``.
@@ -48,7 +51,7 @@ from sparsecomm._library._pooled import (bag_groups_torch, group_by_torch, poole
                                          unique_inverse_torch)
 from sparsecomm._library._registry import call
 from sparsecomm._library._rows import bitmap_ids, bitmap_owns, bitmap_positions, empty_rows, owned_bitmap
-from sparsecomm._library import _wire  # noqa: F401  (registers pack_rows_ and coalesce_segments)
+from sparsecomm._library import _wire  # noqa: F401  (registers pack_rows_, unpack_rows_ and coalesce_segments)
 
 __all__ = ["INDEX_CODE", "VALUE_CODE", "acc_dtype", "bitmap_ids", "bitmap_owns", "bitmap_positions", "call",
            "check_no_overlap", "empty_rows", "owned_bitmap", "group_by_torch",

@@ -1,4 +1,4 @@
-"""The wire-buffer operators: pack rows into a send buffer, coalesce rows out of a receive buffer.
+"""The wire-buffer operators: pack rows into a send buffer, unpack or coalesce rows out of a receive buffer.
 
 Both work on a flat ``uint8`` buffer laid out in segments (one per peer),
 so a message is packed and read without staging copies.
@@ -17,7 +17,7 @@ from sparsecomm._library._common import (INDEX_CODE, VALUE_CODE, WIRE_ID_DTYPE, 
 from sparsecomm._library._registry import cuda_kernel, custom_op
 from sparsecomm._library._rows import coalesce_rows_cuda
 
-__all__ = ["pack_rows_", "coalesce_segments"]
+__all__ = ["pack_rows_", "unpack_rows_", "coalesce_segments"]
 
 
 # -------------------------------------------------- packing a send buffer
@@ -50,6 +50,42 @@ def _(buffer: Tensor, src: Tensor, index: Optional[Tensor], segments: List[int],
 
 @pack_rows_.register_fake
 def _(buffer: Tensor, src: Tensor, index: Optional[Tensor], segments: List[int], wire_id_bytes: int) -> None:
+    return None
+
+
+# ------------------------------------------ unpacking a receive buffer
+
+@custom_op("unpack_rows_", mutates_args=("out",))
+def unpack_rows_(out: Tensor, buffer: Tensor, segments: List[int]) -> None:
+    check_no_overlap(out, buffer, "buffer")
+    seg = torch.tensor(segments, dtype=torch.int64)  # held until the kernel returns
+    _C.unpack_rows(buffer.data_ptr(), buffer.numel(), len(segments) // 3, seg.data_ptr() if segments else 0,
+                   out.data_ptr(), out.shape[0], _out_row_bytes(out), threads(out.numel() * out.element_size()))
+
+
+def _out_row_bytes(out: Tensor) -> int:
+    return row_bytes(out) if out.dim() > 1 else out.element_size()
+
+
+@cuda_kernel("unpack_rows_")
+def _(out: Tensor, buffer: Tensor, segments: List[int]) -> None:
+    check_no_overlap(out, buffer, "buffer")
+    rb = _out_row_bytes(out)
+    flat = out.view(-1).view(torch.uint8) if out.numel() else out
+    for s in range(0, len(segments), 3):
+        start, count, offset = segments[s:s + 3]
+        if start < 0 or count < 0 or start + count > out.shape[0]:
+            raise ValueError(f"sparsecomm: segment {s // 3} writes rows outside the output")
+        if offset < 0 or offset + count * rb > buffer.numel():
+            raise ValueError(f"sparsecomm: segment {s // 3} reads outside the buffer")
+    for s in range(0, len(segments), 3):
+        start, count, offset = segments[s:s + 3]
+        if count and rb:
+            flat[start * rb:(start + count) * rb].copy_(buffer[offset:offset + count * rb])
+
+
+@unpack_rows_.register_fake
+def _(out: Tensor, buffer: Tensor, segments: List[int]) -> None:
     return None
 
 

@@ -20,6 +20,7 @@ counted in ``stats.bytes_copied``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -222,15 +223,12 @@ def exchange_tables(blocks: Sequence[Sequence[Block]], send_counts: Sequence[Seq
             continue
         total = sum(recv_counts[b])
         got = []
+        starts = list(itertools.accumulate(recv_counts[b][:-1], initial=0))
         for i, t in enumerate(block):
-            w = widths[b][i]
             rows = torch.empty((total, *_wire_shape(t)), dtype=_wire_dtype(t), device=device)
-            flat, at = rows.view(-1).view(torch.uint8), 0
-            for j in range(n):
-                c = recv_counts[b][j] * w
-                flat[at:at + c].copy_(recv[r_off[b][i][j]:r_off[b][i][j] + c])
-                at += c
-            count_copied(stats[b], at)
+            ops.unpack_rows(rows, recv, [(starts[j], recv_counts[b][j], r_off[b][i][j]) for j in range(n)
+                                         if recv_counts[b][j]])
+            count_copied(stats[b], total * widths[b][i])
             got.append(rows)
         out.append(got)
     return out

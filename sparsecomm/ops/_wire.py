@@ -1,4 +1,4 @@
-"""The wire-buffer ops: pack rows into a send buffer, coalesce rows out of a receive buffer.
+"""The wire-buffer ops: pack rows into a send buffer, unpack or coalesce rows out of a receive buffer.
 
 A buffer is a flat ``uint8`` tensor laid out in segments (one per peer);
 these ops read and write the segments in place, so a message is packed and
@@ -15,7 +15,7 @@ import torch
 from sparsecomm import _library
 from sparsecomm.ops._validate import INDEX_DTYPES, VALUE_DTYPES, check_device, check_ids, check_num_rows, row_width
 
-__all__ = ["pack_rows", "coalesce_segments"]
+__all__ = ["pack_rows", "unpack_rows", "coalesce_segments"]
 
 # Bytes of an id on the wire, by its dtype.
 _WIRE_ID_BYTES = {torch.int16: 2, torch.int32: 4, torch.int64: 8}
@@ -79,6 +79,39 @@ def pack_rows(buffer: torch.Tensor, src: torch.Tensor, index: Optional[torch.Ten
         raise ValueError("segments must be (start, count, byte_offset) triples")
     rows = src if src.dim() == 1 else src.reshape(src.shape[0], row_width(src))
     _library.call("pack_rows_", buffer, rows, index, flat, wire)
+
+
+def unpack_rows(out: torch.Tensor, buffer: torch.Tensor, segments: Sequence[Tuple[int, int, int]]) -> None:
+    """Copy rows out of their places in a byte buffer into ``out`` (the inverse of :func:`pack_rows`).
+
+    Segment ``(start, count, offset)`` copies ``count`` rows, back to back at
+    ``buffer[offset:]``, into ``out[start:start+count]``. This is how a
+    receive buffer is read: one segment per peer fills one tensor with every
+    peer's rows in one call, where slicing and copying per peer costs several
+    torch calls each.
+
+    Args:
+        out: ``(n, *row_shape)`` contiguous rows of any dtype (a row of a 1-D
+            ``out`` is one element), same device as ``buffer``.
+        buffer: 1-D uint8 source; it must not overlap ``out``.
+        segments: ``(start, count, byte_offset)`` triples.
+
+    Raises:
+        TypeError, ValueError: bad arguments, or a segment outside ``out`` or
+            ``buffer`` (nothing is written).
+    """
+    _check_buffer(buffer, "buffer")
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    check_device(out, "out")
+    if out.device != buffer.device:
+        raise ValueError(f"out is on {out.device} but buffer is on {buffer.device}")
+    if not out.is_contiguous() or out.dim() < 1:
+        raise ValueError("out must be contiguous with a leading row dimension")
+    flat = [int(v) for seg in segments for v in seg]
+    if len(flat) != 3 * len(segments):
+        raise ValueError("segments must be (start, count, byte_offset) triples")
+    _library.call("unpack_rows_", out, buffer, flat)
 
 
 def coalesce_segments(buffer: torch.Tensor, segments: Sequence[Tuple[int, int, int]], wire_ids: torch.dtype,
