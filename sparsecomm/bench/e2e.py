@@ -273,6 +273,9 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
                 r["times"][phase].append(dt)
         if rank == 0 and i == a.warmup * len(names) - 1:   # the warm-up's last step
             progress(f"e2e: world {n} {optimizer}: checked ({wrong}), timing {a.steps} steps")
+    for r in runs.values():   # what the placement trial did while the steps were timed (re-checks, moves)
+        if "log_len" in r.get("trial", {}):
+            r["trial"]["later"] = r["opt"].trial.log[r["trial"]["log_len"]:]
     return dict(medians={m: {p: statistics.median(v) for p, v in r["times"].items()} for m, r in runs.items()},
                 trials={m: r["trial"] for m, r in runs.items() if "trial" in r},
                 memory={m: (e2e_torchrec.memory_bytes(r["model"], r["opt"]) if m == "torchrec_dmp" else
@@ -314,7 +317,7 @@ def _finish_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int],
     hook = _hook_state(model).eager_trial
     report = opt.trial.report() + (f"\n# its hook's sparse syncs: {hook.reason}" if hook is not None else "") \
         + _paths(_hook_state(model))
-    return dict(steps=steps, seconds=time.perf_counter() - start, report=report,
+    return dict(steps=steps, seconds=time.perf_counter() - start, report=report, log_len=len(opt.trial.log),
                 kept=opt.trial.candidates[opt.trial.kept].name if opt.trial.done else "undecided")
 
 
@@ -435,6 +438,8 @@ def body(a: argparse.Namespace) -> List[Row]:
                 print("# table_wise's plan:\n" + mine["plans"]["table_wise"], flush=True)
             for t in mine["trials"].values():
                 print(t["report"], flush=True)
+                if t.get("later"):
+                    print("# while timed: " + "\n#   ".join(t["later"]), flush=True)
             if "torchrec_dmp" in mine["plans"]:
                 print("# TorchRec's own plan:\n" + mine["plans"]["torchrec_dmp"], flush=True)
         methods = _methods(optimizer, a.methods)
