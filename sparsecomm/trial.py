@@ -25,9 +25,9 @@ The candidates, in the order they are tried:
    up, with the link and optimizer measured (what ``parallelize`` plans from
    a sample batch); made after that step, one collective.
 
-Identical candidates are tried once. When the first pass's two fastest are
-within ``confirm`` of each other, they are measured again, back to back, and
-those steps decide: a candidate's steps measured a pass apart differ by more
+Identical candidates are tried once. When the first pass has candidates
+within ``confirm`` of its fastest, all of them and the fastest are measured
+again, back to back, and those steps decide: a candidate's steps measured a pass apart differ by more
 than that (the first candidate's steps are the job's first, its buffers and
 pages still new). The job starts replicated: moving a
 replica to any sharded placement communicates nothing, and the replica is
@@ -50,7 +50,13 @@ as the median of the last ``2 * measure`` steps drifts ``drift`` above the
 kept placement's measured median (when > 0), the kept placement and the
 runner-up are measured again; the runner-up replaces the kept one only when
 faster by more than ``margin`` (hysteresis: the noise of one measurement
-does not move tables back and forth).
+does not move tables back and forth). A drift re-check waits ``drift_gap``
+re-checks' length (``2 * (settle + measure)`` steps) after the last decision,
+twice as long after each re-check that kept the placement: a machine whose
+speed comes and goes (another job, other models trained in turn) would
+otherwise send the job to the runner-up over and over, and the re-checks'
+share of the steps stays under about ``1 / drift_gap`` and shrinks while the
+placement holds.
 
 A move rebuilds DDP in place and swaps table modules: a model compiled with
 ``torch.compile`` around it recompiles after each move (or pass
@@ -100,6 +106,9 @@ class TrialConfig:
         recheck_every: steps between re-checks after the decision (0: none).
         drift: re-check when the kept placement's recent median step is this fraction above its measured one
             (0: never).
+        drift_gap: a drift re-check comes no sooner than this many re-checks' length (``2 * (settle + measure)``
+            steps) after the last decision; the wait doubles after each re-check that keeps the placement and
+            starts again from this after a move (0: as soon as a window of steps shows the drift).
         margin: how much faster (as a fraction) another candidate must be to replace the kept one at a re-check.
         confirm: when the first pass's runner-up is within this fraction of the fastest, measure the two again,
             back to back, and decide on those steps (0: never). Steps measured far apart differ by more than
@@ -116,13 +125,14 @@ class TrialConfig:
     measure: int = 8
     recheck_every: int = 0
     drift: float = 0.15
+    drift_gap: int = 10
     margin: float = 0.1
     confirm: float = 0.1
     sample: bool = True
     stale_replicas: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("warmup", "settle", "measure", "recheck_every"):
+        for name in ("warmup", "settle", "measure", "recheck_every", "drift_gap"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name == "measure" else 0):
                 raise ValueError(f"TrialConfig.{name} must be an int >= {1 if name == 'measure' else 0}, "
@@ -208,12 +218,16 @@ class PlacementTrial:
         self.sampled_plan: Optional[Plan] = None   # the plan for the first step's ids (config.sample)
         self._recent: List[float] = []     # the kept placement's latest steps (drift)
         self._since = 0                    # steps since the last decision
+        self._gap = self._base_gap()       # steps after a decision before drift may start a re-check
         self.stale = StaleReplicas() if config.stale_replicas else None
         # The hook's own eager/fused trial would change the replicas' steps while placements are timed: the hook
         # stays fused while this trial measures, and measures its modes once a placement is kept.
         self._hook_auto = self._hook_mode() in ("auto", None)
         self._hook_trials: Dict[int, Any] = {}   # per candidate: its hook's sync-mode trial, kept across moves
         self._set_hook_mode(False)
+
+    def _base_gap(self) -> int:
+        return self.config.drift_gap * 2 * (self.config.settle + self.config.measure)
 
     @property
     def done(self) -> bool:
@@ -306,16 +320,21 @@ class PlacementTrial:
             self.candidates.append(c)
 
     def _confirm(self, optimizer: Any, measured: List[int], figures: str) -> bool:
-        """After the first pass: when the two fastest are within ``confirm``, measure them again (True)."""
+        """After the first pass: when others are within ``confirm`` of the fastest, measure them all again (True).
+
+        Candidates measured a pass apart differ by the machine's drift, which
+        can exceed their difference: a third one within the band gets its
+        chance too, not only the runner-up."""
         ranked = sorted(measured, key=lambda i: self.candidates[i].ms)
-        if self._confirmed or not self.config.confirm or len(ranked) < 2 or \
-                self.candidates[ranked[1]].ms > (1 + self.config.confirm) * self.candidates[ranked[0]].ms:
+        close = [i for i in ranked if self.candidates[i].ms <= (1 + self.config.confirm) * self.candidates[ranked[0]].ms]
+        if self._confirmed or not self.config.confirm or len(close) < 2:
             return False
         self._confirmed = True
-        self._pass = sorted(ranked[:2], key=lambda i: i != self.current)   # the one the model holds first
+        self._pass = sorted(close, key=lambda i: i != self.current)   # the one the model holds first
+        names = [self.candidates[i].name for i in close]
         self.log.append(f"step {self.steps}: trial: median ms/step of the slowest rank: {figures}; "
-                        f"{self.candidates[ranked[0]].name} and {self.candidates[ranked[1]].name} within "
-                        f"{self.config.confirm:.0%}: measured again, back to back")
+                        f"{', '.join(names[:-1])} and {names[-1]} within {self.config.confirm:.0%}: measured "
+                        f"again, back to back")
         self.measuring, self._samples = self._pass[0], {}
         self._move(optimizer, self._pass[0])
         return True
@@ -335,8 +354,10 @@ class PlacementTrial:
         if self.kept is None and self._confirm(optimizer, measured, figures):
             return
         what = "re-check" if self.kept is not None else "trial"
+        self._gap = 2 * self._gap if self.kept is not None and best == self.kept else self._base_gap()
+        wait = f"; a drift is looked for after {self._gap} steps" if self.config.drift else ""
         self.log.append(f"step {self.steps}: {what}: median ms/step of the slowest rank: {figures}; kept "
-                        f"{self.candidates[best].name} ({self.moves} moves so far, {self.move_seconds:.2f} s)")
+                        f"{self.candidates[best].name} ({self.moves} moves so far, {self.move_seconds:.2f} s){wait}")
         self.kept, self.measuring, self._pass = best, None, None
         self._samples, self._recent, self._since = {}, [], 0
         every = self.config.recheck_every
@@ -365,7 +386,7 @@ class PlacementTrial:
         if interval is not None:
             self._recent = (self._recent + [interval])[-window:]
         self._since += 1
-        if self._since % window:
+        if self._since % window or self._since < self._gap:   # the same on every rank: every rank asks, or none
             return False
         slow = len(self._recent) == window and \
             1e3 * statistics.median(self._recent) > (1 + self.config.drift) * self.candidates[self.kept].ms

@@ -102,7 +102,7 @@ def assert_same(model, reference, what):
 
 def case_trial(rank, world, name, config=FAST):
     """The default call: replicated first, then the planner's pick, then row-sharded (then the plan for the first
-    step's ids, when it differs); the fastest kept, the two fastest measured again when close.
+    step's ids, when it differs); the fastest kept, those close to it measured again.
 
     With stale replicas (the default), moves after the first send only changed rows: far fewer than the tables'.
     """
@@ -172,7 +172,8 @@ def case_recheck(rank, world):
     """Re-checks every K steps, and when one rank's steps drift slower; every rank re-checks alike, exactly."""
     cls, kw = OPTIMIZERS["sgd"]
     model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2,
-                                                                        recheck_every=10, drift=0.5), **kw)
+                                                                        recheck_every=10, drift=0.5, drift_gap=0),
+                                        **kw)
     trial, ref = opt.trial, Reference("sgd")
     slow = []
 
@@ -206,8 +207,42 @@ def case_recheck(rank, world):
     return [e.split(":")[0] for e in trial.log]   # which steps decided: the same on every rank
 
 
+def case_drift_gap(rank, world):
+    """A drift re-check waits drift_gap re-checks' length after the decision (twice that after one that kept the
+    placement); the log says how long, the same on every rank; exact throughout."""
+    cls, kw = OPTIMIZERS["sgd"]
+    config = TrialConfig(warmup=1, settle=1, measure=2, drift=0.5, drift_gap=2, sample=False)
+    length = 2 * (config.settle + config.measure)
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=config, **kw)
+    trial, ref = opt.trial, Reference("sgd")
+    slow = []
+    model.module.register_forward_pre_hook(lambda module, args: time.sleep(slow[0]) if slow else None)
+    for step in range(120):
+        hook = model.module.sparsecomm_state
+        if trial.done and trial.measuring is None and not hook.sync_mode_measuring and not slow \
+                and rank == world - 1:
+            slow.append(0.1)   # from the first step the kept placement runs alone, one rank's steps drift
+        step_of(model, opt, step, rank, world)
+        ref.step(step)
+        if any(": re-check:" in e for e in trial.log):
+            break
+    assert_same(model, ref.model, f"after a drift re-check, world {world}")
+    decided = [e for e in trial.log if (": trial:" in e or ": re-check:" in e) and "; kept " in e]
+    drift = [e for e in trial.log if "on some rank: re-check" in e]
+    assert len(decided) == 2 and len(drift) == 1, trial.report()
+    assert decided[0].endswith(f"a drift is looked for after {2 * length} steps"), decided[0]
+    # The hook times its sync modes after the decision (those steps are not the placement's): the wait starts
+    # after them, so the drift shows no sooner than the wait after the decision.
+    step_at = lambda entry: int(entry.split(":")[0].split()[1])   # noqa: E731
+    assert step_at(drift[0]) - step_at(decided[0]) >= 2 * length, trial.report()
+    kept_again = "kept " + trial.candidates[trial.kept].name in decided[0] and trial.kept == trial.current
+    assert decided[1].endswith(f"after {(4 if kept_again else 2) * length} steps"), trial.report()
+    return [step_at(e) for e in trial.log if e.startswith("step")]
+
+
 def case_confirm(rank, world):
-    """Two candidates within ``confirm``: measured again back to back, and those steps decide; exact throughout.
+    """Candidates within ``confirm`` of the fastest: measured again back to back, and those steps decide; exact
+    throughout.
 
     Steps are made slow by a sleep per placement (replicated and row-sharded alike, the planned one far slower)."""
     cls, kw = OPTIMIZERS["sgd"]
@@ -238,6 +273,18 @@ def case_confirm(rank, world):
     for step in range(20):
         step_of(model, opt, step, rank, world)
     assert opt.trial.done and not any("measured again" in e for e in opt.trial.log), opt.trial.report()
+    # All three alike: every one within the band is measured again, not only the runner-up.
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2,
+                                                                        sample=False), **kw)
+    third = opt.trial
+    model.module.register_forward_pre_hook(lambda module, args: None if third.done else time.sleep(0.1))
+    for step in range(30):
+        if third.done:
+            break
+        step_of(model, opt, step, rank, world)
+    again = [e for e in third.log if "measured again, back to back" in e]
+    assert third.done and len(again) == 1 and all(c.name in again[0].split("; ")[-1] for c in third.candidates), \
+        third.report()
     return [e.split(":")[0] for e in trial.log]
 
 
@@ -292,6 +339,7 @@ def case_hook_trial(rank, world):
 WHOLE = TrialConfig(warmup=1, settle=1, measure=2, drift=0, stale_replicas=False)   # moves send whole tables
 CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [("trial-whole-adam", case_trial, ("adam", WHOLE)),("pending", case_pending, ()),
                                                                     ("recheck", case_recheck, ()),
+                                                                    ("drift-gap", case_drift_gap, ()),
                                                                     ("confirm", case_confirm, ()),
                                                                     ("off", case_off, ()),
                                                                     ("hook-trial", case_hook_trial, ())]
@@ -305,7 +353,7 @@ def test_on_ranks(spawned, case):
     world, out = spawned
     results = [out[r][case] for r in range(world)]
     assert all(results), f"world {world}, {case}"
-    if case in ("recheck", "confirm"):
+    if case in ("recheck", "confirm", "drift-gap"):
         assert len({tuple(r) for r in results}) == 1, f"ranks decided at different steps: {results}"
     if case.startswith("trial-"):
         assert len({r[0] for r in results}) == 1, f"ranks kept different placements: {results}"
@@ -337,5 +385,5 @@ def test_the_candidates_and_the_schedule_are_checked():
     assert "replicated" not in [c.name for c in candidates(p)]
     assert isinstance(candidates(p)[0], Candidate)
     for bad, match in ((dict(measure=0), "measure"), (dict(warmup=-1), "warmup"), (dict(margin=1.0), "margin"),
-                       (dict(drift=-0.1), "drift"), (dict(confirm=-1), "confirm")):
+                       (dict(drift=-0.1), "drift"), (dict(confirm=-1), "confirm"), (dict(drift_gap=-1), "drift_gap")):
         expect_value_error(lambda: TrialConfig(**bad), match)
