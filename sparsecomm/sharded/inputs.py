@@ -24,13 +24,12 @@ def check_ids(ids: Any, num_embeddings: int, device: torch.device, name: str) ->
 
     ``name`` (the table's class) starts this rank's own message.
     """
-    none = torch.empty(0, dtype=torch.int64, device=device)
     if not isinstance(ids, torch.Tensor):
-        return none, bad_input(f"{name}: input must be a tensor, got {type(ids).__name__}")
+        return _none(device), bad_input(f"{name}: input must be a tensor, got {type(ids).__name__}")
     if ids.dtype not in (torch.int32, torch.int64):
-        return none, bad_input(f"{name}: input must be int32 or int64, got {ids.dtype}")
+        return _none(device), bad_input(f"{name}: input must be int32 or int64, got {ids.dtype}")
     if ids.device != device:
-        return none, bad_input(f"{name}: input is on {ids.device} but the table is on {device}")
+        return _none(device), bad_input(f"{name}: input is on {ids.device} but the table is on {device}")
     flat = ids.reshape(-1)
     if flat.numel():
         lo, hi = torch.aminmax(flat)
@@ -41,6 +40,10 @@ def check_ids(ids: Any, num_embeddings: int, device: torch.device, name: str) ->
                 WireStatus.ID_RANGE, bad,
                 f"{name}: input contains id {bad}, outside [0, {num_embeddings}); nothing was exchanged")
     return flat.to(torch.int64), InputStatus()
+
+
+def _none(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def bad_input(message: str) -> InputStatus:

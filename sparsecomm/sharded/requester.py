@@ -95,10 +95,11 @@ def rows_request(t: LookupTable, info: TableRound, lookups: Sequence[Lookup], ok
     """
     device = t.local_weight.device
     ids = [lk.ids for lk in lookups]
-    flat = torch.cat(ids) if ids and ok else torch.empty(0, dtype=torch.int64, device=device)
+    flat = (ids[0] if len(ids) == 1 else torch.cat(ids)) if ids and ok else \
+        torch.empty(0, dtype=torch.int64, device=device)
     info.unique, inverse = ops.unique_inverse(flat, t.num_embeddings)
-    info.inverses = list(torch.split(inverse, [x.numel() for x in ids])) if ids and ok else \
-        [inverse] * len(ids)
+    info.inverses = ([inverse] if len(ids) == 1 else list(torch.split(inverse, [x.numel() for x in ids]))) \
+        if ids and ok else [inverse] * len(ids)
     info.pad = t.padding_position(info.unique)
     hot_mask = _split_hot(t, info, inverse) if ok else None
     cold = info.unique if hot_mask is None else info.unique[~hot_mask]
