@@ -220,6 +220,14 @@ def case_errors(rank, world):
     still_works()
     floats = good.float() if rank == 0 else good
     expect_value_error(lambda: emb(floats), "int32 or int64" if rank == 0 else "rank 0 passed an invalid input")
+    # A strided 1-D input (its flat ids a view, not contiguous) on one rank: the same rows as a contiguous one,
+    # on the rows path and pooled at the owners, not an error on that rank alone.
+    plain = torch.tensor([1, 2, 3, 29])
+    strided = torch.tensor([1, 0, 2, 0, 3, 0, 29, 0])[::2] if rank == last else plain
+    pooled = sh.ShardedEmbeddingBag(30, 4, mode="sum", seed=2, owner_pooling="always")
+    with torch.no_grad():
+        assert torch.equal(emb(strided), emb(plain))
+        assert torch.equal(pooled(strided, torch.tensor([0, 2])), pooled(plain, torch.tensor([0, 2])))
     flat = torch.tensor([1, 2, 3])
     offs = torch.tensor([1, 2]) if rank == last else torch.tensor([0, 2])
     expect_value_error(lambda: bag(flat, offs), "offsets[0] must be 0" if rank == last else f"rank {last} passed")

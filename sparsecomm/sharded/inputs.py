@@ -20,7 +20,7 @@ __all__ = ["check_ids", "bad_input", "check_bag_input", "bag_lengths"]
 
 
 def check_ids(ids: Any, num_embeddings: int, device: torch.device, name: str) -> Tuple[torch.Tensor, InputStatus]:
-    """The flat int64 ids of a lookup and the verdict on them (empty ids unless OK).
+    """The flat, contiguous int64 ids of a lookup and the verdict on them (empty ids unless OK).
 
     ``name`` (the table's class) starts this rank's own message.
     """
@@ -39,7 +39,7 @@ def check_ids(ids: Any, num_embeddings: int, device: torch.device, name: str) ->
             return flat.new_empty(0, dtype=torch.int64), InputStatus(
                 WireStatus.ID_RANGE, bad,
                 f"{name}: input contains id {bad}, outside [0, {num_embeddings}); nothing was exchanged")
-    return flat.to(torch.int64), InputStatus()
+    return flat.to(torch.int64).contiguous(), InputStatus()   # a strided input's ids, laid out for the kernels
 
 
 def _none(device: torch.device) -> torch.Tensor:
