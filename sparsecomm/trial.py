@@ -52,11 +52,11 @@ runner-up are measured again; the runner-up replaces the kept one only when
 faster by more than ``margin`` (hysteresis: the noise of one measurement
 does not move tables back and forth). A drift re-check waits ``drift_gap``
 re-checks' length (``2 * (settle + measure)`` steps) after the last decision,
-twice as long after each re-check that kept the placement: a machine whose
-speed comes and goes (another job, other models trained in turn) would
-otherwise send the job to the runner-up over and over, and the re-checks'
-share of the steps stays under about ``1 / drift_gap`` and shrinks while the
-placement holds.
+twice as long after each drift re-check that kept the placement (up to 16
+times): a machine whose speed comes and goes (another job, other models
+trained in turn) would otherwise send the job to the runner-up over and
+over; the drift re-checks' share of the steps stays under about
+``1 / drift_gap`` and shrinks while the placement holds.
 
 A move rebuilds DDP in place and swaps table modules: a model compiled with
 ``torch.compile`` around it recompiles after each move (or pass
@@ -107,12 +107,13 @@ class TrialConfig:
         drift: re-check when the kept placement's recent median step is this fraction above its measured one
             (0: never).
         drift_gap: a drift re-check comes no sooner than this many re-checks' length (``2 * (settle + measure)``
-            steps) after the last decision; the wait doubles after each re-check that keeps the placement and
-            starts again from this after a move (0: as soon as a window of steps shows the drift).
+            steps) after the last decision; the wait doubles (up to 16 times) after each drift re-check that
+            keeps the placement and starts again from this after any other decision (0: as soon as a window of
+            steps shows the drift).
         margin: how much faster (as a fraction) another candidate must be to replace the kept one at a re-check.
-        confirm: when the first pass's runner-up is within this fraction of the fastest, measure the two again,
-            back to back, and decide on those steps (0: never). Steps measured far apart differ by more than
-            candidates this close do (the first candidate's steps are the job's first).
+        confirm: measure every candidate within this fraction of the first pass's fastest again, with the
+            fastest, back to back, and decide on those steps (0: never). Steps measured far apart differ by more
+            than candidates this close do (the first candidate's steps are the job's first).
         sample: also try the planner's pick for the ids the job's first step looked up (the plan
             ``parallelize`` makes from a sample batch), made after that step.
         stale_replicas: keep each sharded table's last replica (:mod:`sparsecomm.stale`) while a move may still come
@@ -217,8 +218,10 @@ class PlacementTrial:
         self._capture = IdCapture(embedding_modules(model.module)) if config.sample else None
         self.sampled_plan: Optional[Plan] = None   # the plan for the first step's ids (config.sample)
         self._recent: List[float] = []     # the kept placement's latest steps (drift)
-        self._since = 0                    # steps since the last decision
+        self._since = 0                    # steps of the kept placement since the last decision (drift windows)
         self._gap = self._base_gap()       # steps after a decision before drift may start a re-check
+        self._decided_at = 0               # the step of the last decision
+        self._drift_check = False          # whether the re-check under way was started by a drift
         self.stale = StaleReplicas() if config.stale_replicas else None
         # The hook's own eager/fused trial would change the replicas' steps while placements are timed: the hook
         # stays fused while this trial measures, and measures its modes once a placement is kept.
@@ -228,6 +231,13 @@ class PlacementTrial:
 
     def _base_gap(self) -> int:
         return self.config.drift_gap * 2 * (self.config.settle + self.config.measure)
+
+    def _next_gap(self, kept_again: bool) -> int:
+        """The wait after a decision: doubled (up to 16 times the base) after a drift re-check that kept the
+        placement, the base after anything else (the first decision, a periodic re-check, a move)."""
+        if kept_again and self._drift_check:
+            return min(2 * self._gap, 16 * self._base_gap())
+        return self._base_gap()
 
     @property
     def done(self) -> bool:
@@ -276,7 +286,9 @@ class PlacementTrial:
                 if self._next_check is not None:    # nor steps of the kept placement to re-check after
                     self._next_check += 1
                 return
-            if self._drifted(interval) or (self._next_check is not None and self.steps >= self._next_check):
+            drifted = self._drifted(interval)
+            if drifted or (self._next_check is not None and self.steps >= self._next_check):
+                self._drift_check = drifted
                 self._recheck(optimizer)
             return
         if self._skip:
@@ -326,7 +338,8 @@ class PlacementTrial:
         can exceed their difference: a third one within the band gets its
         chance too, not only the runner-up."""
         ranked = sorted(measured, key=lambda i: self.candidates[i].ms)
-        close = [i for i in ranked if self.candidates[i].ms <= (1 + self.config.confirm) * self.candidates[ranked[0]].ms]
+        bound = (1 + self.config.confirm) * self.candidates[ranked[0]].ms if ranked else 0.0
+        close = [i for i in ranked if self.candidates[i].ms <= bound]
         if self._confirmed or not self.config.confirm or len(close) < 2:
             return False
         self._confirmed = True
@@ -354,8 +367,9 @@ class PlacementTrial:
         if self.kept is None and self._confirm(optimizer, measured, figures):
             return
         what = "re-check" if self.kept is not None else "trial"
-        self._gap = 2 * self._gap if self.kept is not None and best == self.kept else self._base_gap()
-        wait = f"; a drift is looked for after {self._gap} steps" if self.config.drift else ""
+        self._gap = self._next_gap(self.kept is not None and best == self.kept)
+        self._decided_at, self._drift_check = self.steps, False
+        wait = f"; a drift is looked for from step {self.steps + self._gap}" if self.config.drift else ""
         self.log.append(f"step {self.steps}: {what}: median ms/step of the slowest rank: {figures}; kept "
                         f"{self.candidates[best].name} ({self.moves} moves so far, {self.move_seconds:.2f} s){wait}")
         self.kept, self.measuring, self._pass = best, None, None
@@ -386,7 +400,7 @@ class PlacementTrial:
         if interval is not None:
             self._recent = (self._recent + [interval])[-window:]
         self._since += 1
-        if self._since % window or self._since < self._gap:   # the same on every rank: every rank asks, or none
+        if self._since % window or self.steps - self._decided_at < self._gap:   # the same on every rank
             return False
         slow = len(self._recent) == window and \
             1e3 * statistics.median(self._recent) > (1 + self.config.drift) * self.candidates[self.kept].ms
