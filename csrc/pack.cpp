@@ -26,6 +26,19 @@ void pack_ids_as(const void* src, size_t src_bytes, const void* index, IndexType
   }
 }
 
+// Checks segment triples (start, count, byte offset): rows [start, start + count) lie inside `rows` rows,
+// and `count` rows of `row_bytes` from the offset inside `bytes` bytes; the errors name which side is off.
+void check_segments(int64_t nseg, const int64_t* segments, int64_t rows, int64_t bytes, int64_t row_bytes,
+                    const char* rows_error, const char* bytes_error) {
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t start = segments[3 * s], count = segments[3 * s + 1], offset = segments[3 * s + 2];
+    if (start < 0 || count < 0 || start > rows || count > rows - start)
+      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + rows_error);
+    if (offset < 0 || offset > bytes || (row_bytes && count > (bytes - offset) / row_bytes))
+      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + bytes_error);
+  }
+}
+
 }  // namespace
 
 // Copies rows into a byte buffer at given places (packing a send buffer).
@@ -48,13 +61,8 @@ void pack_rows(const void* src, int64_t src_rows, size_t src_row_bytes, const vo
   const int64_t rows_available = index ? index_len : src_rows;
   if (index) check_ids(index, it, index_len, src_rows, threads, "index");
   const int64_t dst_row = wire_id_bytes ? wire_id_bytes : static_cast<int64_t>(src_row_bytes);
-  for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t start = segments[3 * s], count = segments[3 * s + 1], offset = segments[3 * s + 2];
-    if (start < 0 || count < 0 || start > rows_available || count > rows_available - start)
-      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + " reads rows outside the source");
-    if (offset < 0 || offset > dst_bytes || (dst_row && count > (dst_bytes - offset) / dst_row))
-      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + " writes outside the buffer");
-  }
+  check_segments(nseg, segments, rows_available, dst_bytes, dst_row, " reads rows outside the source",
+                 " writes outside the buffer");
   if (wire_id_bytes) {
     const IdRange r = id_range(src, src_row_bytes == 4 ? IndexType::kInt32 : IndexType::kInt64, src_rows, threads);
     const int64_t hi = wire_id_bytes == 8 ? INT64_MAX : (int64_t{1} << (8 * wire_id_bytes - 1)) - 1;
@@ -91,13 +99,8 @@ void unpack_rows(const void* src, int64_t src_bytes, int64_t nseg, const int64_t
   threads = clamp_threads(threads);
   if (src_bytes < 0 || dst_rows < 0 || nseg < 0) throw std::invalid_argument("sparsecomm: negative size");
   const int64_t rb = static_cast<int64_t>(row_bytes);
-  for (int64_t s = 0; s < nseg; ++s) {
-    const int64_t start = segments[3 * s], count = segments[3 * s + 1], offset = segments[3 * s + 2];
-    if (start < 0 || count < 0 || start > dst_rows || count > dst_rows - start)
-      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + " writes rows outside the output");
-    if (offset < 0 || offset > src_bytes || (rb && count > (src_bytes - offset) / rb))
-      throw std::invalid_argument("sparsecomm: segment " + std::to_string(s) + " reads outside the buffer");
-  }
+  check_segments(nseg, segments, dst_rows, src_bytes, rb, " writes rows outside the output",
+                 " reads outside the buffer");
   if (rb == 0) return;
   const char* in = static_cast<const char*>(src);
   char* out = static_cast<char*>(dst);

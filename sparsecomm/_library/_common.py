@@ -53,13 +53,14 @@ def _byte_span(t: Tensor) -> Tuple[int, int]:
     return start, start + t.numel() * t.element_size()
 
 
-def check_no_overlap(table: Tensor, other: Tensor, name: str) -> None:
-    """Raise ValueError if ``other`` shares bytes with ``table`` (both contiguous)."""
+def check_no_overlap(table: Tensor, other: Tensor, name: str, written: str = "table") -> None:
+    """Raise ValueError if ``other`` shares bytes with ``table`` (both contiguous; ``written``: what the error calls
+    ``table``, the tensor the kernel writes)."""
     if table.numel() == 0 or other.numel() == 0:
         return
     (a0, a1), (b0, b1) = _byte_span(table), _byte_span(other)
     if a0 < b1 and b0 < a1:
-        raise ValueError(f"{name} overlaps table's memory: the kernel would read what it is writing")
+        raise ValueError(f"{name} overlaps {written}'s memory: the kernel would read what it is writing")
 
 
 def row_bytes(t: Tensor) -> int:

@@ -57,7 +57,7 @@ def _(buffer: Tensor, src: Tensor, index: Optional[Tensor], segments: List[int],
 
 @custom_op("unpack_rows_", mutates_args=("out",))
 def unpack_rows_(out: Tensor, buffer: Tensor, segments: List[int]) -> None:
-    check_no_overlap(out, buffer, "buffer")
+    check_no_overlap(out, buffer, "buffer", "out")
     seg = torch.tensor(segments, dtype=torch.int64)  # held until the kernel returns
     _C.unpack_rows(buffer.data_ptr(), buffer.numel(), len(segments) // 3, seg.data_ptr() if segments else 0,
                    out.data_ptr(), out.shape[0], _out_row_bytes(out), threads(out.numel() * out.element_size()))
@@ -69,7 +69,7 @@ def _out_row_bytes(out: Tensor) -> int:
 
 @cuda_kernel("unpack_rows_")
 def _(out: Tensor, buffer: Tensor, segments: List[int]) -> None:
-    check_no_overlap(out, buffer, "buffer")
+    check_no_overlap(out, buffer, "buffer", "out")
     rb = _out_row_bytes(out)
     flat = out.view(-1).view(torch.uint8) if out.numel() else out
     for s in range(0, len(segments), 3):

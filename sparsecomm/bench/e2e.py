@@ -273,7 +273,7 @@ def run_config(a: argparse.Namespace, rows: Sequence[int], optimizer: str) -> Di
                 r["times"][phase].append(dt)
         if rank == 0 and i == a.warmup * len(names) - 1:   # the warm-up's last step
             progress(f"e2e: world {n} {optimizer}: checked ({wrong}), timing {a.steps} steps")
-    for r in runs.values():   # what the placement trial did while the steps were timed (re-checks, moves)
+    for r in runs.values():   # what the placement trial did after its decision, the timed steps among them
         if "log_len" in r.get("trial", {}):
             r["trial"]["later"] = r["opt"].trial.log[r["trial"]["log_len"]:]
     return dict(medians={m: {p: statistics.median(v) for p, v in r["times"].items()} for m, r in runs.items()},
@@ -439,7 +439,7 @@ def body(a: argparse.Namespace) -> List[Row]:
             for t in mine["trials"].values():
                 print(t["report"], flush=True)
                 if t.get("later"):
-                    print("# while timed: " + "\n#   ".join(t["later"]), flush=True)
+                    print("# after its decision (timed steps among them): " + "\n#   ".join(t["later"]), flush=True)
             if "torchrec_dmp" in mine["plans"]:
                 print("# TorchRec's own plan:\n" + mine["plans"]["torchrec_dmp"], flush=True)
         methods = _methods(optimizer, a.methods)

@@ -8,7 +8,7 @@ read without staging copies.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,6 +27,25 @@ def _check_buffer(buffer, name: str) -> None:
     check_device(buffer, name)
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
         raise ValueError(f"{name} must be a contiguous 1-D uint8 tensor, got {buffer.dtype} {tuple(buffer.shape)}")
+
+
+def _check_rows(rows, buffer: torch.Tensor, name: str) -> None:
+    """``rows`` (what is packed into or unpacked out of ``buffer``): a contiguous tensor of rows beside it."""
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(rows).__name__}")
+    check_device(rows, name)
+    if rows.device != buffer.device:
+        raise ValueError(f"{name} is on {rows.device} but buffer is on {buffer.device}")
+    if not rows.is_contiguous() or rows.dim() < 1:
+        raise ValueError(f"{name} must be contiguous with a leading row dimension")
+
+
+def _triples(segments: Sequence[Tuple[int, int, int]]) -> List[int]:
+    """``(start, count, byte_offset)`` segments as the flat list the ops take."""
+    flat = [int(v) for seg in segments for v in seg]
+    if len(flat) != 3 * len(segments):
+        raise ValueError("segments must be (start, count, byte_offset) triples")
+    return flat
 
 
 def _wire_id_bytes(dtype: torch.dtype, name: str) -> int:
@@ -58,13 +77,7 @@ def pack_rows(buffer: torch.Tensor, src: torch.Tensor, index: Optional[torch.Ten
             segment outside ``src``/``index`` or ``buffer`` (nothing is written).
     """
     _check_buffer(buffer, "buffer")
-    if not isinstance(src, torch.Tensor):
-        raise TypeError(f"src must be a torch.Tensor, got {type(src).__name__}")
-    check_device(src, "src")
-    if src.device != buffer.device:
-        raise ValueError(f"src is on {src.device} but buffer is on {buffer.device}")
-    if not src.is_contiguous() or src.dim() < 1:
-        raise ValueError("src must be contiguous with a leading row dimension")
+    _check_rows(src, buffer, "src")
     if index is not None:
         check_ids(index, "index")
         if index.device != buffer.device:
@@ -74,9 +87,7 @@ def pack_rows(buffer: torch.Tensor, src: torch.Tensor, index: Optional[torch.Ten
         if src.dtype not in INDEX_DTYPES or src.dim() != 1:
             raise TypeError(f"with wire_ids, src must be 1-D int32/int64 ids, got {src.dtype} {tuple(src.shape)}")
         wire = _wire_id_bytes(wire_ids, "wire_ids")
-    flat = [int(v) for seg in segments for v in seg]
-    if len(flat) != 3 * len(segments):
-        raise ValueError("segments must be (start, count, byte_offset) triples")
+    flat = _triples(segments)
     rows = src if src.dim() == 1 else src.reshape(src.shape[0], row_width(src))
     _library.call("pack_rows_", buffer, rows, index, flat, wire)
 
@@ -101,17 +112,8 @@ def unpack_rows(out: torch.Tensor, buffer: torch.Tensor, segments: Sequence[Tupl
             ``buffer`` (nothing is written).
     """
     _check_buffer(buffer, "buffer")
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    check_device(out, "out")
-    if out.device != buffer.device:
-        raise ValueError(f"out is on {out.device} but buffer is on {buffer.device}")
-    if not out.is_contiguous() or out.dim() < 1:
-        raise ValueError("out must be contiguous with a leading row dimension")
-    flat = [int(v) for seg in segments for v in seg]
-    if len(flat) != 3 * len(segments):
-        raise ValueError("segments must be (start, count, byte_offset) triples")
-    _library.call("unpack_rows_", out, buffer, flat)
+    _check_rows(out, buffer, "out")
+    _library.call("unpack_rows_", out, buffer, _triples(segments))
 
 
 def coalesce_segments(buffer: torch.Tensor, segments: Sequence[Tuple[int, int, int]], wire_ids: torch.dtype,
