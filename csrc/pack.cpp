@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "binding.h"
 #include "ops.h"
@@ -124,26 +125,31 @@ void unpack_rows(const void* src, int64_t src_bytes, int64_t nseg, const int64_t
 SPARSECOMM_BIND(pack) {
   m.def("pack_rows",
         [](uintptr_t src, int64_t src_rows, size_t src_row_bytes, uintptr_t index, int index_code, int64_t index_len,
-           int64_t nseg, uintptr_t segments, uintptr_t dst, int64_t dst_bytes, int wire_id_bytes, int threads) {
+           const std::vector<int64_t>& segments, uintptr_t dst, int64_t dst_bytes, int wire_id_bytes, int threads) {
           const IndexType it = to_index_type(index_code);
+          if (segments.size() % 3) throw std::invalid_argument("sparsecomm: segments must be triples");
           py::gil_scoped_release release;
-          pack_rows(ptr(src), src_rows, src_row_bytes, ptr(index), it, index_len, nseg, ptr<const int64_t>(segments),
-                    ptr(dst), dst_bytes, wire_id_bytes, threads);
+          pack_rows(ptr(src), src_rows, src_row_bytes, ptr(index), it, index_len,
+                    static_cast<int64_t>(segments.size() / 3), segments.data(), ptr(dst), dst_bytes, wire_id_bytes,
+                    threads);
         },
         py::arg("src"), py::arg("src_rows"), py::arg("src_row_bytes"), py::arg("index"), py::arg("index_code"),
-        py::arg("index_len"), py::arg("nseg"), py::arg("segments"), py::arg("dst"), py::arg("dst_bytes"),
-        py::arg("wire_id_bytes"), py::arg("threads"),
-        "Copy (indexed) rows into segments of a byte buffer; index may be 0 (rows in order).");
+        py::arg("index_len"), py::arg("segments"), py::arg("dst"), py::arg("dst_bytes"), py::arg("wire_id_bytes"),
+        py::arg("threads"),
+        "Copy (indexed) rows into segments (flat start, count, byte offset triples) of a byte buffer; index may be "
+        "0 (rows in order).");
   m.def("unpack_rows",
-        [](uintptr_t src, int64_t src_bytes, int64_t nseg, uintptr_t segments, uintptr_t dst, int64_t dst_rows,
+        [](uintptr_t src, int64_t src_bytes, const std::vector<int64_t>& segments, uintptr_t dst, int64_t dst_rows,
            size_t row_bytes, int threads) {
+          if (segments.size() % 3) throw std::invalid_argument("sparsecomm: segments must be triples");
           py::gil_scoped_release release;
-          unpack_rows(ptr(src), src_bytes, nseg, ptr<const int64_t>(segments), ptr(dst), dst_rows, row_bytes,
-                      threads);
+          unpack_rows(ptr(src), src_bytes, static_cast<int64_t>(segments.size() / 3), segments.data(), ptr(dst),
+                      dst_rows, row_bytes, threads);
         },
-        py::arg("src"), py::arg("src_bytes"), py::arg("nseg"), py::arg("segments"), py::arg("dst"),
-        py::arg("dst_rows"), py::arg("row_bytes"), py::arg("threads"),
-        "Copy segments of a byte buffer into consecutive rows of a tensor.");
+        py::arg("src"), py::arg("src_bytes"), py::arg("segments"), py::arg("dst"), py::arg("dst_rows"),
+        py::arg("row_bytes"), py::arg("threads"),
+        "Copy segments (flat start, count, byte offset triples) of a byte buffer into consecutive rows of a "
+        "tensor.");
 }
 
 }  // namespace sparsecomm

@@ -26,11 +26,10 @@ __all__ = ["pack_rows_", "unpack_rows_", "coalesce_segments"]
 def pack_rows_(buffer: Tensor, src: Tensor, index: Optional[Tensor], segments: List[int],
                wire_id_bytes: int) -> None:
     check_no_overlap(buffer, src, "src")
-    seg = torch.tensor(segments, dtype=torch.int64)  # held until the kernel returns
     _C.pack_rows(src.data_ptr(), src.shape[0], row_bytes(src) if src.dim() > 1 else src.element_size(),
                  0 if index is None else index.data_ptr(), INDEX_CODE[index.dtype] if index is not None else 1,
-                 0 if index is None else index.shape[0], len(segments) // 3, seg.data_ptr() if segments else 0,
-                 buffer.data_ptr(), buffer.numel(), wire_id_bytes, threads(buffer.numel()))
+                 0 if index is None else index.shape[0], segments, buffer.data_ptr(), buffer.numel(), wire_id_bytes,
+                 threads(buffer.numel()))
 
 
 @cuda_kernel("pack_rows_")
@@ -58,9 +57,8 @@ def _(buffer: Tensor, src: Tensor, index: Optional[Tensor], segments: List[int],
 @custom_op("unpack_rows_", mutates_args=("out",))
 def unpack_rows_(out: Tensor, buffer: Tensor, segments: List[int]) -> None:
     check_no_overlap(out, buffer, "buffer", "out")
-    seg = torch.tensor(segments, dtype=torch.int64)  # held until the kernel returns
-    _C.unpack_rows(buffer.data_ptr(), buffer.numel(), len(segments) // 3, seg.data_ptr() if segments else 0,
-                   out.data_ptr(), out.shape[0], _out_row_bytes(out), threads(out.numel() * out.element_size()))
+    _C.unpack_rows(buffer.data_ptr(), buffer.numel(), segments, out.data_ptr(), out.shape[0], _out_row_bytes(out),
+                   threads(out.numel() * out.element_size()))
 
 
 def _out_row_bytes(out: Tensor) -> int:
