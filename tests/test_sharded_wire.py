@@ -121,3 +121,34 @@ def test_input_status_uses_the_one_code_set():
     assert InputStatus().ok and InputStatus().code is WireStatus.OK
     bad = InputStatus(WireStatus.BAD_INPUT, 0, "x")
     assert not bad.ok and MetaHeader(bad.code, 0, 0, 0, 1, 6).encode()[0] == int(WireStatus.BAD_INPUT)
+
+
+@pytest.mark.parametrize("scheme,owner", [("range", None), ("table", 1), ("hash", None)])
+def test_ids_problem_with_a_range_owner_finds_what_the_id_by_id_check_finds(scheme, owner):
+    """An owner of one range checks received ids by their min and max; every refusal still names the sender and
+    the id, as the id-by-id check does (which a hash owner always takes)."""
+    from sparsecomm.sharded.layout import RowLayout
+    V, world = 40, 3
+    for me in range(world):
+        layout = RowLayout(V, world, me, scheme, owner=owner)
+        span = layout.owned_range()
+        assert (span is None) == (scheme == "hash")
+        mine = layout.owned_ids()
+        if span is not None:   # the range is what owns() says, id by id
+            every = torch.arange(-2, V + 2)
+            assert torch.equal(mine, torch.arange(*span))
+            assert torch.equal(layout.owns(every), (every >= span[0]) & (every < span[1]))
+        others = torch.tensor([i for i in range(V) if i not in set(mine.tolist())])
+        cases = [mine, torch.tensor([-1]), torch.tensor([V]), others[:1], torch.cat([mine, others[:1]])]
+        for ids in cases:
+            if ids.numel() == 0:
+                continue
+            counts = [ids.numel() - 1, 1]   # the last id came from rank 1
+            fast = sharded_wire.ids_problem(ids, counts, me, V, layout.owns, span)
+            slow = sharded_wire.ids_problem(ids, counts, me, V, layout.owns)
+            assert fast == slow, (scheme, me, ids, fast, slow)
+            bad = ids[-1].item()
+            if bad in set(mine.tolist()):
+                assert fast is None
+            else:
+                assert fast is not None and f"rank 1 asked rank {me} for id {bad}" in fast

@@ -80,6 +80,8 @@ class TableRequest(NamedTuple):
             absent table asks for nothing but still serves its rows to peers).
         owns: ``owns(ids) -> bool tensor``, whether this rank owns each id;
             the received ids are checked with it (and against ``num_rows``).
+        owned_range: ``(start, stop)`` when the ids this rank owns are that one range
+            (a cheaper check of what peers ask), else None.
         pooled: what a pooled lookup sends besides the ids, or None (rows path).
         weight_dtype: the dtype of the table's per-sample weights.
         estimates: this rank's cost of the rows and the pooled path (non-negative ints).
@@ -95,6 +97,7 @@ class TableRequest(NamedTuple):
     pooled: Optional[PooledRequest] = None
     weight_dtype: torch.dtype = torch.float32
     estimates: Tuple[int, int] = (0, 0)
+    owned_range: Optional[Tuple[int, int]] = None
 
     def meta(self, counts: List[int]) -> TableMeta:
         """This table's block of the metadata row (``counts``: :attr:`counts` as ints)."""
@@ -406,7 +409,7 @@ def _split(p: PendingRequest, a: Announced, s: _Sizes, got: torch.Tensor) -> Rou
         requested.append(torch.cat(ids_t))
         pooled_parts.append(parts_t)
     for r, ids, counts in zip(p.requests, requested, s.recv):
-        problem = problem or ids_problem(ids, counts, me, r.num_rows, r.owns)
+        problem = problem or ids_problem(ids, counts, me, r.num_rows, r.owns, r.owned_range)
     rows_send = [list(a.tables[me][t].bags if s.paths[t][me] else p.send[t]) for t in range(count)]
     rows_recv = [[a.tables[r][t].bags[me] if s.paths[t][r] else s.recv[t][r] for r in range(n)]
                  for t in range(count)]

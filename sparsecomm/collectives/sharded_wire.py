@@ -320,10 +320,20 @@ def _pooled_counts_problem(a: Announced, t: int, itemsize: int) -> Optional[str]
 
 
 def ids_problem(requested: torch.Tensor, recv_counts: List[int], me: int, num_rows: int,
-                owns: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> Optional[str]:
-    """Why this owner refuses the ids its peers sent (outside the table, or not its own), or None."""
+                owns: Optional[Callable[[torch.Tensor], torch.Tensor]],
+                owned_range: Optional[Tuple[int, int]] = None) -> Optional[str]:
+    """Why this owner refuses the ids its peers sent (outside the table, or not its own), or None.
+
+    ``owned_range``: the ids this rank owns when they are one range ``[start, stop)`` (table-wise and range
+    layouts): ids whose smallest and largest lie in it pass on those two alone; anything else is checked id by
+    id (``owns``), which also finds the first bad one for the message.
+    """
     if requested.numel() == 0:
         return None
+    if owned_range is not None:
+        lo, hi = (int(x) for x in torch.aminmax(requested))
+        if max(owned_range[0], 0) <= lo and hi < min(owned_range[1], num_rows):
+            return None
     ok = (requested >= 0) & (requested < num_rows)
     if owns is not None:
         ok &= owns(requested)

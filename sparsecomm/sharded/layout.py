@@ -37,7 +37,7 @@ local shard:
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -170,6 +170,13 @@ class RowLayout:
         else:
             out = torch.searchsorted(self._owned, ids.to(self._owned.dtype)).to(torch.int64)
         return out.to(where)
+
+    def owned_range(self) -> Optional[Tuple[int, int]]:
+        """``(start, stop)`` when this rank owns exactly the ids ``[start, stop)`` (table-wise and range layouts;
+        empty on a table-wise table's other ranks), else None (hash)."""
+        if self._owned is None and self._bits is None:
+            return self._start, self._start + self.num_local
+        return None
 
     def owns(self, ids: torch.Tensor) -> torch.Tensor:
         """Whether this rank owns each id (bool, on ``ids``' device); ids outside ``[0, V)`` are not owned."""

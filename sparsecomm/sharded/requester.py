@@ -116,7 +116,8 @@ def rows_request(t: LookupTable, info: TableRound, lookups: Sequence[Lookup], ok
     if info.unique.numel():
         _point_to_arrival(info, hot_mask)
     return TableRequest(info.part.ids, info.part.counts, t.fingerprint(), t.num_embeddings, t.layout.num_local,
-                        bool(lookups), t.layout.owns, weight_dtype=t.local_weight.dtype, estimates=estimates)
+                        bool(lookups), t.layout.owns, weight_dtype=t.local_weight.dtype, estimates=estimates,
+                        owned_range=t.layout.owned_range())
 
 
 def _split_hot(t: LookupTable, info: TableRound, inverse: torch.Tensor) -> Optional[torch.Tensor]:
@@ -182,7 +183,7 @@ def pooled_request(t: LookupTable, info: TableRound, lk: Lookup, me: int, n: int
     t.stats.pooled_lookups += 1
     return TableRequest(info.unique, counts, t.fingerprint(), t.num_embeddings, layout.num_local, True,
                         layout.owns, PooledRequest(plan.occ_counts, plan.bag_counts, words, weight_bytes),
-                        t.local_weight.dtype, estimates)
+                        t.local_weight.dtype, estimates, layout.owned_range())
 
 
 class GradientRows(NamedTuple):
