@@ -27,9 +27,9 @@ The candidates, in the order they are tried:
 
 Identical candidates are tried once. When the first pass has candidates
 within ``confirm`` of its fastest, all of them and the fastest are measured
-again, back to back, and those steps decide: a candidate's steps measured a pass apart differ by more
-than that (the first candidate's steps are the job's first, its buffers and
-pages still new). The job starts replicated: moving a
+again, back to back, and those steps decide: a candidate's steps measured a
+pass apart differ by more than that (the first candidate's steps are the
+job's first, its buffers and pages still new). The job starts replicated: moving a
 replica to any sharded placement communicates nothing, and the replica is
 kept as a stale copy on every rank (:mod:`sparsecomm.stale`), so every later
 move (to another sharded placement, or back) sends only the rows that
