@@ -226,9 +226,10 @@ def exchange_tables(blocks: Sequence[Sequence[Block]], send_counts: Sequence[Seq
         starts = list(itertools.accumulate(recv_counts[b][:-1], initial=0))
         for i, t in enumerate(block):
             rows = torch.empty((total, *_wire_shape(t)), dtype=_wire_dtype(t), device=device)
-            ops.unpack_rows(rows, recv, [(starts[j], recv_counts[b][j], r_off[b][i][j]) for j in range(n)
-                                         if recv_counts[b][j]])
-            count_copied(stats[b], total * widths[b][i])
+            if total:
+                ops.unpack_rows(rows, recv, [(starts[j], recv_counts[b][j], r_off[b][i][j]) for j in range(n)
+                                             if recv_counts[b][j]])
+                count_copied(stats[b], total * widths[b][i])
             got.append(rows)
         out.append(got)
     return out

@@ -32,6 +32,8 @@ def serve(t: LookupTable, info: TableRound, routes: Routes, i: int) -> torch.Ten
     requested, parts = routes.requested[i], routes.pooled[i]
     slots = t.layout.slots(requested).to(weight.device)
     info.grad_slots, info.grad_ids = slots, requested
+    if not any(routes.rows_recv[i]):   # asked nothing (a table-wise table this rank does not hold): no rows
+        return weight.new_empty(0, t.embedding_dim)
     if all(p is None for p in parts):
         return ops.gather_rows(weight, slots)
     return _serve_pooled(t, info, weight, slots, requested, parts, routes.recv[i])
