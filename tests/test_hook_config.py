@@ -95,6 +95,34 @@ def test_step_work_holds_takes_and_cleans_up_once_per_backward():
     assert step.claim_cleanup()  # the next backward queues its own
 
 
+def test_step_work_lets_go_of_kept_objects_when_the_next_step_opens_on_its_thread():
+    import threading
+    import weakref
+
+    step = StepWork()
+    step.open(1)
+    kept = torch.zeros(3)
+    freed_on = []
+    weakref.finalize(kept, lambda: freed_on.append(threading.current_thread()))
+    worker = threading.Thread(target=step.keep, args=(kept, [kept]))   # kept from another thread, as a job does
+    worker.start()
+    worker.join()
+    del kept
+    assert not step.open(1) and not freed_on   # the same backward's next bucket: the same step holds it
+    step.close()
+    assert not freed_on                    # still held after DDP's finalize
+    assert step.open(2)
+    assert freed_on == [threading.main_thread()]
+    # A step that never closed (its backward failed) lets go of its objects when the next one opens, too.
+    again = torch.zeros(1)
+    gone = []
+    weakref.finalize(again, lambda: gone.append(True))
+    step.keep(again)
+    del again
+    step.open(3)   # step 2 never closed
+    assert gone == [True]
+
+
 class _Tables(nn.Module):
     def __init__(self):
         super().__init__()

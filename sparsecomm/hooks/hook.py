@@ -96,6 +96,7 @@ def sparsecomm_hook(state: SparseCommState, bucket: dist.GradBucket) -> torch.fu
     """
     buffer = bucket.buffer()
     mode = _open_step(state)
+    state.step.keep(bucket, buffer)   # their last reference goes on this thread (StepWork.keep)
     fut = _sparse_bucket(state, bucket, buffer) if buffer.is_sparse else _dense_bucket(state, bucket, buffer)
     state.step.track(fut)
     if mode is _Mode.CALLBACK:
@@ -207,6 +208,7 @@ def _flush(state: SparseCommState, wait: bool = False) -> None:
                                           compression=[None if it.path == DENSE_FUSED else config.sparse_compression
                                                        for it in items])
 
+    state.step.keep(items, tensors, stats)
     if config.overlap_sparse or state.step.eager:   # eager: every sync of the group on its worker thread
         fut = run_async(job, group=group, device=tensors[0].device)
     else:
@@ -223,6 +225,7 @@ def _flush(state: SparseCommState, wait: bool = False) -> None:
             for it in items:
                 _fail(state, it, exc)
             return
+        state.step.keep(outs)
         share = (time.perf_counter() - start) / len(items)
         if allgather:
             state.learn_capacity(key, stats)
@@ -297,6 +300,7 @@ def _dense_with_rows(state: SparseCommState, bucket: dist.GradBucket, buffer: to
     if cursor < buffer.numel():
         rest_parts.append((cursor, buffer.numel()))
     rest = torch.cat([buffer[a:b] for a, b in rest_parts]) if rest_parts else buffer.new_zeros(0)
+    state.step.keep(rest)
     futs.append(allreduce_mean_async(rest, state.process_group, state.config.compression))
 
     def combine(f: torch.futures.Future) -> torch.Tensor:

@@ -65,7 +65,7 @@ class StepWork:
     """
 
     __slots__ = ("clears_empty", "eager", "_held", "_futures", "_empty", "_cleanup_queued", "_task", "_open", "_lock",
-                 "_error", "_failed")
+                 "_error", "_failed", "_kept")
 
     def __init__(self) -> None:
         self.clears_empty = False
@@ -73,6 +73,7 @@ class StepWork:
         self._lock = threading.Lock()   # errors arrive from the backend's and the worker's threads
         self._task: Optional[int] = None
         self._open = False
+        self._kept: List[Any] = []   # what the last step's work touched off the hook's thread (see keep)
         self._reset()
 
     def _reset(self) -> None:
@@ -90,11 +91,15 @@ class StepWork:
 
         A step that never closed (its backward stopped on an error before the
         hook's jobs ran) is forgotten: its work cannot complete any more.
+        What the steps before kept (:meth:`keep`) is let go of here, on the
+        hook's thread.
         """
         if self._open and self._task == backward:
             return False
         with self._lock:
             self._reset()
+            released, self._kept = self._kept, []
+        del released
         self._task, self._open = backward, True
         return True
 
@@ -106,6 +111,19 @@ class StepWork:
             self._error, self._failed = None, []
         self._open = False
         return closed
+
+    def keep(self, *objects: Any) -> None:
+        """Hold ``objects`` (a bucket, its tensors, a sync's results) until the next step opens.
+
+        A step's work runs partly off the thread DDP calls the hook on (the group's worker thread, the
+        backend's callback threads), and what those threads hold they let go of whenever they finish,
+        while DDP goes on with its finalize on the same tensors. Kept here, the last reference to each
+        object goes at the next step's first bucket, on the hook's thread, when those threads are long done
+        with it: no Python object of DDP's tensors is freed on another thread while DDP works on them (the
+        cost: a step's sparse gradients live until the next backward's first bucket). Thread-safe.
+        """
+        with self._lock:
+            self._kept.append(objects)
 
     def track(self, future: torch.futures.Future) -> None:
         """Count ``future`` (a bucket's) among the step's futures (held work's are counted by :meth:`hold`)."""
