@@ -26,7 +26,7 @@ __all__ = ["pack_rows_", "unpack_rows_", "coalesce_segments"]
 def pack_rows_(buffer: Tensor, src: Tensor, index: Optional[Tensor], segments: List[int],
                wire_id_bytes: int) -> None:
     check_no_overlap(buffer, src, "src")
-    _C.pack_rows(src.data_ptr(), src.shape[0], _row_bytes(src),
+    _C.pack_rows(src.data_ptr(), src.shape[0], row_bytes(src),
                  0 if index is None else index.data_ptr(), INDEX_CODE[index.dtype] if index is not None else 1,
                  0 if index is None else index.shape[0], segments, buffer.data_ptr(), buffer.numel(), wire_id_bytes,
                  threads(buffer.numel()))
@@ -57,19 +57,14 @@ def _(buffer: Tensor, src: Tensor, index: Optional[Tensor], segments: List[int],
 @custom_op("unpack_rows_", mutates_args=("out",))
 def unpack_rows_(out: Tensor, buffer: Tensor, segments: List[int]) -> None:
     check_no_overlap(out, buffer, "buffer", "out")
-    _C.unpack_rows(buffer.data_ptr(), buffer.numel(), segments, out.data_ptr(), out.shape[0], _row_bytes(out),
+    _C.unpack_rows(buffer.data_ptr(), buffer.numel(), segments, out.data_ptr(), out.shape[0], row_bytes(out),
                    threads(out.numel() * out.element_size()))
-
-
-def _row_bytes(t: Tensor) -> int:
-    """Bytes of one row of a packed or unpacked tensor (a 1-D tensor's row is one element)."""
-    return row_bytes(t) if t.dim() > 1 else t.element_size()
 
 
 @cuda_kernel("unpack_rows_")
 def _(out: Tensor, buffer: Tensor, segments: List[int]) -> None:
     check_no_overlap(out, buffer, "buffer", "out")
-    rb = _row_bytes(out)
+    rb = row_bytes(out)
     flat = out.view(-1).view(torch.uint8) if out.numel() else out
     for s in range(0, len(segments), 3):
         start, count, offset = segments[s:s + 3]

@@ -30,10 +30,12 @@ def serve(t: LookupTable, info: TableRound, routes: Routes, i: int) -> torch.Ten
     if routes.problem is not None:  # a peer sent ids this rank does not own: serve nothing, all raise in pull
         return weight.new_zeros(sum(routes.rows_recv[i]), t.embedding_dim)
     requested, parts = routes.requested[i], routes.pooled[i]
+    if requested.numel() == 0 and not any(routes.rows_recv[i]):
+        # Asked nothing (a table-wise table this rank does not hold): no rows, no slots to compute.
+        info.grad_slots, info.grad_ids = requested.to(weight.device), requested
+        return weight.new_empty(0, t.embedding_dim)
     slots = t.layout.slots(requested).to(weight.device)
     info.grad_slots, info.grad_ids = slots, requested
-    if not any(routes.rows_recv[i]):   # asked nothing (a table-wise table this rank does not hold): no rows
-        return weight.new_empty(0, t.embedding_dim)
     if all(p is None for p in parts):
         return ops.gather_rows(weight, slots)
     return _serve_pooled(t, info, weight, slots, requested, parts, routes.recv[i])
