@@ -27,7 +27,8 @@ LAYERS: Dict[str, int] = {
     "sparsecomm.collectives": 3,
     "sparsecomm.hooks": 4, "sparsecomm.sharded": 4,
     "sparsecomm.planner": 5, "sparsecomm.prices": 5, "sparsecomm.table_wise": 5, "sparsecomm.sample_batch": 5,
-    "sparsecomm.parallel": 6, "sparsecomm.replan": 6, "sparsecomm.trial": 6, "sparsecomm.placement": 6, "sparsecomm.stale": 6,
+    "sparsecomm.parallel": 6, "sparsecomm.replan": 6, "sparsecomm.replan_checks": 6,
+    "sparsecomm.trial": 6, "sparsecomm.placement": 6, "sparsecomm.stale": 6,
     "sparsecomm": 7,
     "sparsecomm.bench": 8,
 }
