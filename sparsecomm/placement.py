@@ -58,12 +58,16 @@ class TableSpec:
                    m.padding_idx, getattr(m, "mode", "mean"), getattr(m, "include_last_offset", False),
                    getattr(m, "sparse", getattr(m, "replica_sparse", True)), getattr(m, "grad_reduction", "mean"))
 
-    def sharded(self, weight: torch.Tensor, where: Where, group, seed: int, adopt: bool = False) -> ShardedTable:
+    def sharded(self, weight: torch.Tensor, where: Where, group, seed: int, adopt: bool = False,
+                agreed: bool = False) -> ShardedTable:
         """The sharded table holding this rank's rows of ``weight`` (a full table, the same on every rank);
         ``adopt``: the shard is ``weight``'s memory itself, not a copy, where it can be (a table-wise owner's
-        shard of every row; a hash shard spread over it, :mod:`sparsecomm.sharded.layout`)."""
+        shard of every row; a hash shard spread over it, :mod:`sparsecomm.sharded.layout`); ``agreed``: every
+        rank was checked to pass the same ``where`` and ``seed`` (``replan``), so the table's own check, a
+        collective, is left out."""
         common = dict(scheme=where.scheme, owner=where.owner, group=group, grad_reduction=self.grad_reduction,
-                      seed=seed, dtype=weight.dtype, device=weight.device, _weight=weight, _adopt=adopt)
+                      seed=seed, dtype=weight.dtype, device=weight.device, _weight=weight, _adopt=adopt,
+                      _agreed=agreed)
         if self.bag:
             table: ShardedTable = ShardedEmbeddingBag(self.num_embeddings, self.embedding_dim, self.mode,
                                                       include_last_offset=self.include_last_offset,

@@ -30,7 +30,9 @@ parallelized with the new plan.
 
 Everything is checked on every rank (:mod:`sparsecomm.replan_checks`) and
 agreed before anything changes (one all-gather of objects): a refusal raises
-on every rank and changes nothing.
+on every rank and changes nothing. The tables that move are built without
+another collective each (their placements were agreed), and with ``stale``
+replicas every moving shard's changed rows travel in one exchange for all.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from sparsecomm.sharded import dcp, wire
 from sparsecomm.sharded.combined import Incoming, OptimizerSpec, ParallelOptimizer
 from sparsecomm.sharded.model import flush, group_tables, sharded_modules
 from sparsecomm.sharded.table import ShardedTable
-from sparsecomm.stale import StaleReplicas, same_memory
+from sparsecomm.stale import Refresh, StaleReplicas, StaleTable, same_memory
 
 __all__ = ["replan", "REPLICATE", "ReplanBusy"]
 
@@ -109,7 +111,7 @@ def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, where: Where, 
     """
     part, _ = group_of(optimizer, m.weight)
     state = optimizer.parts[part].state.get(m.weight, {})
-    table = TableSpec.of(m).sharded(m.weight.detach(), where, group, seed=0, adopt=stale is not None)
+    table = TableSpec.of(m).sharded(m.weight.detach(), where, group, seed=0, adopt=stale is not None, agreed=True)
     names = [n for n in optimizer.spec.part_class("sharded").row_state_names if n in state]
     same = same_memory(table.local_weight, m.weight)   # a table-wise owner's or a spread shard is the replica
     owned = None if same else table.layout.owned_ids()
@@ -119,14 +121,14 @@ def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, where: Where, 
     return Moved(name, table, _incoming(optimizer, m.weight, table, "sharded", {"step": _step_of(state), **rows}))
 
 
-def _replicate(name: str, t: ShardedTable, optimizer: ParallelOptimizer, stale: Optional[StaleReplicas]) -> Moved:
-    """A sharded table to a replica: every shard's rows and state to every rank (one all-gather; with a stale
-    replica, only the rows that changed since)."""
+def _replicate(name: str, t: ShardedTable, optimizer: ParallelOptimizer, stale: Optional[StaleReplicas],
+               copy: Optional[StaleTable]) -> Moved:
+    """A sharded table to a replica: every shard's rows and state to every rank (one all-gather; with its stale
+    replica ``copy``, brought up to date by the caller, none)."""
     sharded = optimizer.sharded
     state = sharded.state[t.local_weight]
     names = sharded.row_state_names
     d = t.embedding_dim
-    copy = stale.current(name, t, sharded) if stale is not None and name in stale else None
     if copy is not None:
         weight, whole = copy.weight, dict(copy.state)
     else:
@@ -146,14 +148,13 @@ def _replicate(name: str, t: ShardedTable, optimizer: ParallelOptimizer, stale: 
 
 
 def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, where: Where, group,
-             stale: Optional[StaleReplicas]) -> Moved:
+             copy: Optional[StaleTable]) -> Moved:
     """A sharded table under another scheme: rows and state through the id order to the new owners (one all-to-all;
-    with a stale replica, one all-gather of the rows that changed, then every rank cuts its rows from the copy)."""
+    with its stale replica ``copy``, brought up to date by the caller, every rank cuts its rows from it)."""
     sharded = optimizer.sharded
     w = t.local_weight
-    copy = stale.current(name, t, sharded, to_scheme=where.scheme) if stale is not None and name in stale else None
     if copy is not None:
-        new = TableSpec.of(t).sharded(copy.weight, where, group, seed=t.seed, adopt=True)
+        new = TableSpec.of(t).sharded(copy.weight, where, group, seed=t.seed, adopt=True, agreed=True)
         same = same_memory(new.local_weight, copy.weight)   # a table-wise owner's or a spread shard is the copy
         owned = None if same else new.layout.owned_ids()
         moved = {n: s if same else _copy_rows(s, owned) for n, s in copy.state.items()}
@@ -161,7 +162,7 @@ def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, where: Wh
                                           {"step": int(sharded.state[w]["step"]), **moved}))
     # A table of zeros without its memory: the new table's rows come from the old one's below.
     zeros = torch.zeros((1, t.embedding_dim), dtype=w.dtype, device=w.device).expand(t.num_embeddings, -1)
-    new = TableSpec.of(t).sharded(zeros, where, group, seed=t.seed)
+    new = TableSpec.of(t).sharded(zeros, where, group, seed=t.seed, agreed=True)
     state = sharded.state[w]
     names = sharded.row_state_names
     chunks = dcp.to_id_order(t.layout, [w.detach()] + [state[n] for n in names], t.group)
@@ -173,13 +174,21 @@ def _reshard(name: str, t: ShardedTable, optimizer: ParallelOptimizer, where: Wh
 
 
 def _move(inner: nn.Module, optimizer: ParallelOptimizer, name: str, new: Where, group,
-          stale: Optional[StaleReplicas]) -> Moved:
+          stale: Optional[StaleReplicas], copies: Dict[str, Optional[StaleTable]]) -> Moved:
     m = inner.get_submodule(name)
     if not isinstance(m, ShardedTable):
         return _shard(name, m, optimizer, new, group, stale)
     if new.replicated:
-        return _replicate(name, m, optimizer, stale)
-    return _reshard(name, m, optimizer, new, group, stale)
+        return _replicate(name, m, optimizer, stale, copies.get(name))
+    return _reshard(name, m, optimizer, new, group, copies.get(name))
+
+
+def _refreshed(inner: nn.Module, optimizer: ParallelOptimizer, moves, stale: Optional[StaleReplicas]
+               ) -> Dict[str, Optional[StaleTable]]:
+    """The stale copies of the shards that move, brought up to date in one exchange for all (None: not usable)."""
+    todo = [Refresh(name, inner.get_submodule(name), None if new.replicated else new.scheme) for name, _, new in moves
+            if stale is not None and name in stale and isinstance(inner.get_submodule(name), ShardedTable)]
+    return dict(zip([r.name for r in todo], stale.current_tables(todo, optimizer.sharded))) if todo else {}
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -350,7 +359,8 @@ def replan(model: nn.Module, optimizer: ParallelOptimizer, new_plan: Plan, *,
     flush(inner)   # open rounds run, deferred gradients land: the shards hold every update
     for name in set(stale.names() if stale is not None else ()) - usable:
         stale.drop(name)   # not held alike by every rank: of no use
-    moved = [_move(inner, optimizer, name, new, process_group, stale) for name, _, new in moves]
+    copies = _refreshed(inner, optimizer, moves, stale)
+    moved = [_move(inner, optimizer, name, new, process_group, stale, copies) for name, _, new in moves]
     for m in moved:
         _replace(inner, m.name, m.module)
     optimizer.regroup(_wanted(inner, new_plan, optimizer.spec), [m.incoming for m in moved])

@@ -8,7 +8,8 @@ steps apart, between placements that touch a small part of the table.
 :class:`StaleReplicas` keeps, when a table leaves its replica, that replica's
 weight and row state (the replica's own tensors: no copy). It is the same on
 every rank. When the table moves again, only the rows that changed since
-travel, in one all-gather. Every rank then patches its copy and holds the
+travel, in one all-gather (one for all the tables of a move). Every rank
+then patches its copy and holds the
 whole current table, weight and state, from which the next placement is cut
 locally, with nothing copied: a table-wise owner's shard is the copy's
 memory itself, and a hash shard spreads over it (its slots are its ids, and
@@ -38,16 +39,16 @@ was not told of. Writes that bypass torch's version counter (``.data``,
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from sparsecomm import ops
 from sparsecomm.collectives.objects import all_gather_objects
-from sparsecomm.collectives.sharded_exchange import allgather_table_rows
+from sparsecomm.collectives.sharded_exchange import Shard, allgather_shards
 from sparsecomm.sharded.row_log import RowLog
 
-__all__ = ["StaleReplicas", "StaleTable", "same_memory"]
+__all__ = ["StaleReplicas", "StaleTable", "Refresh", "same_memory"]
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK_ROWS = 1 << 16   # rows compared at a time: bounds the gathered copy of the stale rows
@@ -93,6 +94,42 @@ def changed_rows(ids: torch.Tensor, current: Sequence[torch.Tensor], stale: Sequ
         if differ is not None:
             out.append(differ.nonzero().view(-1) + lo)
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=ids.device)
+
+
+class Refresh(NamedTuple):
+    """A table about to move (:meth:`StaleReplicas.current_tables`): its name, the sharded table, the scheme it
+    moves to (None: to a replica)."""
+
+    name: str
+    table: Any
+    to_scheme: Optional[str] = None
+
+
+class _Changes(NamedTuple):
+    """One rank's shard of a moving table against its copy: the copy, the shard's rows (weight, then each row
+    state), the copy's rows alike, the shard's ids, and the slots that changed (None: no usable copy)."""
+
+    copy: Optional[StaleTable]
+    current: List[torch.Tensor]
+    stale: List[torch.Tensor]
+    owned: torch.Tensor
+    which: Optional[torch.Tensor]
+
+
+def _busiest(counts: Sequence[int]) -> int:
+    """Rows the busiest rank sends or receives when every rank sends its ``counts`` rows to every other."""
+    n, total = len(counts), sum(counts)
+    return max(max(c * (n - 1), total - c) for c in counts)
+
+
+def _whole_move(r: Refresh) -> float:
+    """Rows the busiest rank moves when the whole table moves instead (to a replica: no bound, the copy wins)."""
+    table = r.table
+    if r.to_scheme is None:
+        return float("inf")
+    n = table.layout.world_size
+    return max(table.num_embeddings if scheme == "table" else -(-table.num_embeddings // n)
+               for scheme in (table.scheme, r.to_scheme))
 
 
 class StaleReplicas:
@@ -142,68 +179,86 @@ class StaleReplicas:
             self._tables.pop(name, None)
             self._logs.pop(name, None)
 
-    def current(self, name: str, table: Any, optimizer: Any, to_scheme: Optional[str] = None
-                ) -> Optional[StaleTable]:
-        """The whole current ``table`` (weight and row state): ``name``'s copy, patched with the rows that changed.
+    def current_tables(self, tables: Sequence["Refresh"], optimizer: Any) -> List[Optional[StaleTable]]:
+        """The whole current tables (weight and row state): each one's copy, patched with the rows that changed.
 
-        Collective over the table's group: every rank calls it for the same
-        tables, those every rank holds a copy of (``replan`` agrees on the
-        copies first and drops the others). One all-gather of each
-        rank's count of changed rows, then one of those rows. Every rank holds
-        the same whole table after it.
+        Collective over the tables' group: every rank calls it for the same
+        tables in the same order, those every rank holds a copy of (``replan``
+        agrees on the copies first and drops the others). One all-gather of
+        every rank's count of changed rows of every table, then one of those
+        rows, all tables in one exchange. Every rank holds the same whole
+        tables after it.
 
         Args:
-            table: the :class:`~sparsecomm.sharded.table.ShardedTable` named ``name``.
-            optimizer: the sharded tables' optimizer (its state of ``table``'s rows).
-            to_scheme: the scheme the table moves to (None: to a replica,
-                where the copy is always worth it: the whole move is an
+            tables: what moves, each with the scheme it moves to (None: to a
+                replica, where the copy is always worth it: the whole move is an
                 all-gather too). Under another scheme, the whole move costs
                 the busiest rank the rows of the busiest owner, old or new
                 (a table-wise owner's: all of them).
+            optimizer: the sharded tables' optimizer (its state of their rows).
 
         Returns:
-            The copy, or None on every rank (the copy dropped, the caller moves
+            Per table, its copy, or None on every rank (the copy dropped, the caller moves
             the whole table) when some rank's copy does not fit its rows or
             sending the changed rows to every rank costs the busiest rank more
             rows than the whole move would.
         """
-        copy = self._tables.get(name)
+        out: List[Optional[StaleTable]] = [None] * len(tables)
+        for group in {id(r.table.group): r.table.group for r in tables}.values():   # one group in practice
+            at = [i for i, r in enumerate(tables) if r.table.group is group]
+            for i, copy in zip(at, self._refresh([tables[i] for i in at], optimizer, group)):
+                out[i] = copy
+        return out
+
+    def _refresh(self, tables: Sequence["Refresh"], optimizer: Any, group: Any) -> List[Optional[StaleTable]]:
+        """:meth:`current_tables` for tables of one group."""
+        changes = [self._changes(r, optimizer) for r in tables]
+        everyone = all_gather_objects([-1 if c.which is None else c.which.numel() for c in changes], group)
+        if any(len(theirs) != len(tables) for theirs in everyone):
+            raise ValueError(f"sparsecomm stale replicas: the ranks refresh different numbers of tables "
+                             f"({[len(theirs) for theirs in everyone]}): a bug or a version mismatch between ranks")
+        sending: List[Tuple[Refresh, _Changes, List[int]]] = []
+        for k, (r, c) in enumerate(zip(tables, changes)):
+            counts = [int(theirs[k]) for theirs in everyone]
+            if max(counts) > r.table.num_embeddings:
+                raise ValueError(f"sparsecomm stale replicas: a rank announced {max(counts)} changed rows of table "
+                                 f"{r.name!r}, which has {r.table.num_embeddings}: a bug or a version mismatch "
+                                 f"between ranks")
+            if min(counts) < 0 or _busiest(counts) > _whole_move(r):
+                self.drop(r.name)
+                continue
+            self.rows_sent += c.which.numel()
+            self.rows_total += c.owned.numel()
+            sending.append((r, c, counts))
+        shards = [Shard(c.which if r.table.layout.spread else c.owned[c.which],   # a spread shard's slots are its ids
+                        torch.cat([x[c.which.to(x.device)] for x in c.current], 1), c.copy.weight.shape[0])
+                  for r, c, _ in sending]
+        got = allgather_shards(shards, [counts for _, _, counts in sending], group)
+        for (r, c, _), (ids, rows) in zip(sending, got):
+            ordered = torch.sort(ids).values   # sorting the rows sent, not counting into a table-sized array
+            if bool((ordered[1:] == ordered[:-1]).any()):
+                raise ValueError("sparsecomm stale replicas: two ranks sent the same row: the shards overlap (a bug "
+                                 "or a version mismatch between ranks)")
+            at = 0
+            for target in c.stale:
+                width = target.shape[1]
+                target[ids.to(target.device)] = rows[:, at:at + width].to(target)
+                at += width
+        kept = {r.name for r, _, _ in sending}
+        return [c.copy if r.name in kept else None for r, c in zip(tables, changes)]
+
+    def _changes(self, r: "Refresh", optimizer: Any) -> "_Changes":
+        """What this rank's shard of ``r.table`` holds against its copy (no communication)."""
+        table = r.table
+        copy = self._tables.get(r.name)
         mine = _row_state(table, optimizer)
-        names = list(mine)
-        current = [_rows(table.local_weight.detach())] + [_rows(mine[n]) for n in names]
+        current = [_rows(table.local_weight.detach())] + [_rows(mine[n]) for n in mine]
         owned = table.layout.owned_ids()
-        which, stale = None, None
-        if copy is not None and self.fits(name, table.local_weight, mine):
-            stale = [_rows(copy.weight)] + [_rows(copy.state[n]) for n in names]   # views: patched in place below
-            which = self._changed(name, table, owned, current, stale, [table.local_weight, *mine.values()])
-        counts = [int(c) for c in all_gather_objects(-1 if which is None else which.numel(), table.group)]
-        if max(counts) > table.num_embeddings:
-            raise ValueError(f"sparsecomm stale replicas: a rank announced {max(counts)} changed rows of table "
-                             f"{name!r}, which has {table.num_embeddings}: a bug or a version mismatch between ranks")
-        n, total = len(counts), sum(counts)
-        busiest = max(max(c * (n - 1), total - c) for c in counts)   # rows sent or received by one rank
-        whole = None if to_scheme is None else max(
-            table.num_embeddings if scheme == "table" else -(-table.num_embeddings // n)
-            for scheme in (table.scheme, to_scheme))
-        if min(counts) < 0 or (whole is not None and busiest > whole):
-            self.drop(name)
-            return None
-        self.rows_sent += which.numel()
-        self.rows_total += owned.numel()
-        packed = torch.cat([c[which.to(c.device)] for c in current], 1)
-        sent = which if table.layout.spread else owned[which]   # a spread shard's slots are its ids
-        ids, rows = allgather_table_rows(sent, packed, copy.weight.shape[0], table.group, complete=False,
-                                         counts=counts)
-        ordered = torch.sort(ids).values   # sorting the rows sent, not counting into a table-sized array
-        if bool((ordered[1:] == ordered[:-1]).any()):
-            raise ValueError("sparsecomm stale replicas: two ranks sent the same row: the shards overlap (a bug or "
-                             "a version mismatch between ranks)")
-        at = 0
-        for target in stale:
-            width = target.shape[1]
-            target[ids.to(target.device)] = rows[:, at:at + width].to(target)
-            at += width
-        return copy
+        if copy is None or not self.fits(r.name, table.local_weight, mine):
+            return _Changes(copy, current, [], owned, None)
+        stale = [_rows(copy.weight)] + [_rows(copy.state[n]) for n in mine]   # views: patched in place
+        which = self._changed(r.name, table, owned, current, stale, [table.local_weight, *mine.values()])
+        return _Changes(copy, current, stale, owned, which)
 
     def _changed(self, name: str, table: Any, owned: torch.Tensor, current: Sequence[torch.Tensor],
                  stale: Sequence[torch.Tensor], watched: Sequence[torch.Tensor]) -> torch.Tensor:

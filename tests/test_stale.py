@@ -119,8 +119,53 @@ def case_not_everyone(rank, world):
     return True
 
 
+def case_collectives_per_move(rank, world):
+    """A move of every table from its copy: one count all-gather and one row exchange for all of them, and no
+    collective per new table (replan agreed on the placements); training stays exact."""
+    from sparsecomm.sharded import table as table_module
+
+    calls = {"counts": 0, "shards": [], "tables": 0}
+    originals = (stale_module.all_gather_objects, stale_module.allgather_shards, table_module.all_gather_objects)
+
+    def counts(obj, group):
+        calls["counts"] += 1
+        return originals[0](obj, group)
+
+    def shards(items, per_table, group):
+        calls["shards"].append(len(items))
+        return originals[1](items, per_table, group)
+
+    def tables(obj, group):
+        calls["tables"] += 1
+        return originals[2](obj, group)
+
+    replicas, (cls, kw) = StaleReplicas(), rp.OPTIMIZERS["adagrad"]
+    net = rp.Net(seed=3 if rank == 0 else 40 + rank)
+    places = {t: [R, H, FIRST] for t in PLACES}
+    model, opt = sparsecomm.parallelize(net, cls, plan=plan_for(sparsecomm.plan(net, small_table_bytes=0), places,
+                                                                0, world), **kw)
+    ref, sched = rp.Reference("adagrad"), rp.scheduler("adagrad", opt)
+    for i in range(3):
+        if i:
+            opt.zero_grad()
+            new_plan = plan_for(copy.deepcopy(rp.inner_of(model).sparsecomm_plan), places, i, world)
+            stale_module.all_gather_objects, stale_module.allgather_shards = counts, shards
+            table_module.all_gather_objects = tables
+            try:
+                model, opt = sparsecomm.replan(model, opt, new_plan, stale=replicas)
+            finally:
+                stale_module.all_gather_objects, stale_module.allgather_shards, table_module.all_gather_objects = \
+                    originals
+        rp.train_step(model, opt, sched, i, rank, world)
+        ref.step(i)
+        rp.assert_same(model, ref.model, f"collectives, world {world}, plan {i}")
+    # Move 1 (replicas to hash shards) refreshes nothing; move 2 (hash to table-wise) all three tables at once.
+    assert calls == {"counts": 1, "shards": [3], "tables": 0}, calls
+    return True
+
+
 CASES = [(f"same-bits-{n}", case_same_bits, (n,)) for n in ("sgd", "adagrad", "adam")] + \
-        [("not-everyone", case_not_everyone, ())]
+        [("not-everyone", case_not_everyone, ()), ("collectives-per-move", case_collectives_per_move, ())]
 spawned = spawned_fixture(CASES)
 
 

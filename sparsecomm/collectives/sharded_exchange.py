@@ -42,12 +42,12 @@ A ``group`` of None here means "no peers": everything stays local.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.exchange import allgather_rows, wire_index_dtype
+from sparsecomm.collectives.exchange import Gathered, allgather_rows, exchange_tables, kernel_ids, wire_index_dtype
 from sparsecomm.collectives.groups import comm_device, twin_group
 from sparsecomm.collectives.objects import world
 from sparsecomm.collectives.sharded_request import (Carry, PendingRequest, PooledRequest, Routes, TableRequest,
@@ -58,6 +58,7 @@ from sparsecomm.types import SparseSyncStats
 __all__ = [
     "TableRequest", "PooledRequest", "Routes", "Carry", "PendingRequest", "request_rows", "start_request",
     "finish_request", "next_capacity", "sharded_group", "pull_rows", "exchange_rows", "allgather_table_rows",
+    "Shard", "allgather_shards",
 ]
 
 
@@ -149,15 +150,49 @@ def allgather_table_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int,
     out_ids, out_values = allgather_rows(ids, values.contiguous(), group, wire_ids=wire_index_dtype(num_rows),
                                          device=dev, max_rows=num_rows, counts=counts)
     out_ids = out_ids.to(torch.int64)
+    if not complete:
+        return _inside(out_ids, num_rows), out_values
     # Checked before the ids index anything: a negative id would silently wrap around.
     outside = bool(out_ids.numel()) and (int(out_ids.min()) < 0 or int(out_ids.max()) >= num_rows)
-    if not complete:
-        if outside:
-            raise ValueError(f"sparsecomm sharded table: a rank shared ids outside [0, {num_rows}): a bug or a "
-                             f"version mismatch between ranks")
-        return out_ids, out_values
     if out_ids.numel() != num_rows or outside or not bool((torch.bincount(out_ids, minlength=num_rows) == 1).all()):
         raise ValueError(f"sparsecomm sharded table: the ranks' shards do not hold every id of [0, {num_rows}) "
                          f"exactly once: a bug or a version mismatch between ranks")
     return out_ids, out_values
 
+
+class Shard(NamedTuple):
+    """The rows of one table a rank shares (:func:`allgather_shards`): their ids, the rows, the table's row count."""
+
+    ids: torch.Tensor
+    rows: torch.Tensor
+    num_rows: int
+
+
+def allgather_shards(shards: Sequence[Shard], counts: Sequence[Sequence[int]], group: Optional[dist.ProcessGroup]
+                     ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`allgather_table_rows` (``complete=False``) of several tables in one all-to-all.
+
+    ``counts[k][r]``: the rows rank ``r`` shares of table ``k``, which every
+    rank already holds alike (the caller exchanged them, and checked them
+    against the table's rows). Returns per table every rank's ``(ids, rows)``,
+    in rank order.
+
+    Raises:
+        ValueError: on every rank (all receive the same ids), when an id falls outside its table.
+    """
+    if group is None or not shards:
+        return [(s.ids, s.rows) for s in shards]
+    n = world(group)[1]
+    blocks = [[Gathered(s.ids, None, wire_index_dtype(s.num_rows)), s.rows.contiguous()] for s in shards]
+    got = exchange_tables(blocks, [[s.ids.shape[0]] * n for s in shards], [list(c) for c in counts],
+                          [True] * len(shards), group, comm_device(group, shards[0].rows.device))
+    return [(_inside(kernel_ids(ids).to(torch.int64), s.num_rows).to(s.ids.device), rows.to(s.rows.device))
+            for s, (ids, rows) in zip(shards, got)]
+
+
+def _inside(ids: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``ids``, checked to lie in ``[0, num_rows)`` before they index anything (a negative id would wrap around)."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_rows):
+        raise ValueError(f"sparsecomm sharded table: a rank shared ids outside [0, {num_rows}): a bug or a "
+                         f"version mismatch between ranks")
+    return ids

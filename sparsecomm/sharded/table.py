@@ -84,7 +84,7 @@ class ShardedTable(nn.Module):
                  scheme: str = "hash", owner: Optional[int] = None, group=None, grad_reduction: str = "mean",
                  seed: Optional[int] = None, dtype: Optional[torch.dtype] = None, device=None,
                  hot_rows: Optional[HotRowConfig] = None, _weight: Optional[torch.Tensor] = None,
-                 _freeze: bool = False, _adopt: bool = False) -> None:
+                 _freeze: bool = False, _adopt: bool = False, _agreed: bool = False) -> None:
         super().__init__()
         if not isinstance(num_embeddings, int) or num_embeddings < 1:
             raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}")
@@ -119,7 +119,7 @@ class ShardedTable(nn.Module):
         # a table-wise owner's shard is all of it; a hash shard spreads over it (sparsecomm.sharded.layout).
         fits = _adopt and _weight is not None and tuple(_weight.shape) == (num_embeddings, embedding_dim) and \
             _weight.is_contiguous() and _weight.dtype == dtype and _weight.device == device
-        self.layout, self.seed = self._agree_layout(num_embeddings, rank, size, owner, device, seed, spread=fits)
+        self.layout, self.seed = self._agree_layout(num_embeddings, rank, size, owner, device, seed, fits, _agreed)
         self.stats = SparseSyncStats(world_size=size)
         # Alone in an eager set until grouped (sparsecomm.sharded.model.group_tables).
         self._set = TableSet([self], lazy=False, stats=self.stats)
@@ -148,12 +148,15 @@ class ShardedTable(nn.Module):
         self.compile_anchor = torch.zeros(0, dtype=dtype, device=device, requires_grad=True)
 
     def _agree_layout(self, num_embeddings: int, rank: int, size: int, owner: Optional[int], device: torch.device,
-                      seed: int, spread: bool = False) -> Tuple[RowLayout, int]:
-        """This rank's layout and rank 0's seed, once every rank has checked the same scheme and owner (collective).
+                      seed: int, spread: bool, agreed: bool) -> Tuple[RowLayout, int]:
+        """This rank's layout and rank 0's seed, once every rank has checked the same scheme and owner (collective;
+        ``agreed``: the caller, ``replan``, checked them and the seed on every rank: none).
 
         Raises:
             ValueError: on every rank, when some rank's scheme or owner is invalid or differs from rank 0's.
         """
+        if agreed and seed is not None:   # the same arguments on every rank: any error is raised on all alike
+            return RowLayout(num_embeddings, size, rank, self.scheme, device, owner, spread=spread), seed
         layout, problem = None, None
         try:
             layout = RowLayout(num_embeddings, size, rank, self.scheme, device, owner, spread=spread)
