@@ -582,6 +582,28 @@ def test_row_layout_agrees_with_row_owners(num_rows, world):
             assert layout.nbytes <= 4 * len(mine) + 64 and (scheme == "hash" or layout.nbytes == 0)
 
 
+def test_a_hash_layout_built_again_makes_its_bitmap_once(monkeypatch):
+    # A placement trial builds the same layouts at every move: the owner map's pass over every row runs once.
+    from collections import OrderedDict
+    from sparsecomm.sharded import layout as layout_module
+
+    passes = []
+    real = sparsecomm.ops.owned_bitmap
+    monkeypatch.setattr(layout_module, "_BITMAPS", OrderedDict())
+    monkeypatch.setattr(sparsecomm.ops, "owned_bitmap", lambda *a, **k: passes.append(a) or real(*a, **k))
+    ids = torch.arange(70_003)
+    owners = sparsecomm.ops.row_owners(ids, 3, "hash", 70_003)
+    for rank in (1, 1, 2, 1, 2):
+        layout = sh.RowLayout(70_003, 3, rank, spread=rank == 2)
+        assert torch.equal(layout.owned_ids(), ids[owners == rank])
+        assert torch.equal(layout.positions(ids[owners == rank]), torch.arange(int((owners == rank).sum())))
+    assert len(passes) == 2
+    for rows in range(100, 100 + layout_module._BITMAPS_KEPT):   # the oldest is let go of
+        sh.RowLayout(rows, 3, 1)
+    sh.RowLayout(70_003, 3, 1)
+    assert len(passes) == 3 + layout_module._BITMAPS_KEPT
+
+
 @pytest.mark.parametrize("num_rows,world", [(130, 2), (70_000, 3), (3000, 30)])
 def test_a_spread_layout_owns_the_same_rows_at_their_ids(num_rows, world):
     ids = torch.arange(num_rows)
