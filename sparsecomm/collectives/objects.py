@@ -9,13 +9,19 @@ means "no peers": each helper then answers for this process alone.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 
 from sparsecomm.collectives.launchers import detect_launcher
 
-__all__ = ["world", "all_gather_objects", "barrier", "agree", "broadcast_int"]
+__all__ = ["world", "all_gather_objects", "barrier", "agree", "broadcast_int", "INLINE_BYTES"]
+
+# Pickled bytes of an object that ride in all_gather_objects' first all-gather (a larger one takes a second).
+INLINE_BYTES = 1016
+_MAX_BYTES = 1 << 32   # a larger announced size is a peer's bug, not an object
 
 
 def world(group: Optional[dist.ProcessGroup] = None) -> Tuple[int, int]:
@@ -38,12 +44,48 @@ def world(group: Optional[dist.ProcessGroup] = None) -> Tuple[int, int]:
 
 
 def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any]:
-    """Every rank's picklable ``obj``, in rank order (``[obj]`` with no peers)."""
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` with no peers).
+
+    On a group whose CPU tensors go through gloo, in one all-gather when
+    every rank's pickled object fits in :data:`INLINE_BYTES` (a verdict, a
+    few counts, a plan's placements), where ``torch.distributed.all_gather_object``
+    always takes two (the sizes, then the objects); a larger object takes a
+    second one, at the largest size, which every rank knows from the first.
+    Elsewhere (NCCL) it is torch's.
+    """
     if group is None:
         return [obj]
-    out: List[Any] = [None] * world(group)[1]
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    n = world(group)[1]
+    if not _cpu_gloo(group):
+        out: List[Any] = [None] * n
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    data = pickle.dumps(obj)
+    first = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
+    first[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= INLINE_BYTES:
+        first[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    got = [torch.empty_like(first) for _ in range(n)]
+    dist.all_gather(got, first, group=group)
+    sizes = [int(g[:8].view(torch.int64)) for g in got]
+    bad = next((r for r, size in enumerate(sizes) if not 0 <= size <= _MAX_BYTES), None)
+    if bad is not None:   # every rank sees the same sizes: every rank raises
+        raise ValueError(f"sparsecomm: rank {bad} announced a pickled object of {sizes[bad]} bytes in an all-gather of "
+                         f"objects (at most {_MAX_BYTES}): a bug or a version mismatch between ranks")
+    if max(sizes) > INLINE_BYTES:
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        got = [torch.empty_like(padded) for _ in range(n)]
+        dist.all_gather(got, padded, group=group)
+    else:
+        got = [g[8:] for g in got]
+    return [pickle.loads(g[:size].numpy().tobytes()) for g, size in zip(got, sizes)]
+
+
+def _cpu_gloo(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` sends CPU tensors through gloo (``"gloo"``, or ``"cpu:gloo,cuda:nccl"``)."""
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or "cpu:gloo" in backend
 
 
 def barrier(group: Optional[dist.ProcessGroup]) -> None:
