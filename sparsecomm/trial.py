@@ -36,8 +36,9 @@ move (to another sharded placement, or back) sends only the rows that
 changed since, with their optimizer state, not the whole tables.
 A step's time runs from its first forward with gradients (a forward
 pre-hook on the model) to the end of its ``step()``: data loading, which is the same whatever the
-placement, stays out of it; the ``settle`` steps after a move are not
-counted (the first step after a move builds buffers, probes the link).
+placement, stays out of it; the ``settle`` steps after a move are not counted (the first step after a move
+builds buffers, probes the link), nor the 8 rounds in which ``owner_pooling="auto"`` times each pooling path
+(:mod:`sparsecomm.sharded.pooling`): each candidate is timed in its steady state.
 
 Agreement: every rank counts the same ``step()`` calls, so every rank moves at
 the same step; the decision is made from the medians of every rank (one
@@ -89,6 +90,8 @@ from sparsecomm.planner import Plan, embedding_modules
 from sparsecomm.planner import plan as make_plan
 from sparsecomm.replan import ReplanBusy, replan
 from sparsecomm.sample_batch import IdCapture
+from sparsecomm.sharded.model import sharded_modules
+from sparsecomm.sharded.pooling import MEASURED_ROUNDS
 from sparsecomm.stale import StaleReplicas
 from sparsecomm.table_wise import every_bag_table_whole
 
@@ -102,6 +105,8 @@ class TrialConfig:
     Attributes:
         warmup: steps before anything is measured (the first steps build buffers and probe the link).
         settle: steps after each move that are not measured.
+        settle_pooling: also leave out, after a move, the rounds in which tables with ``owner_pooling="auto"`` time
+            each pooling path (8), so that every candidate is timed in its steady state.
         measure: measured steps per candidate (their median counts).
         recheck_every: steps between re-checks after the decision (0: none).
         drift: re-check when the kept placement's recent median step is this fraction above its measured one
@@ -123,6 +128,7 @@ class TrialConfig:
 
     warmup: int = 3
     settle: int = 2
+    settle_pooling: bool = True
     measure: int = 8
     recheck_every: int = 0
     drift: float = 0.15
@@ -453,6 +459,8 @@ class PlacementTrial:
             return False
         if moved is not model:
             raise RuntimeError("sparsecomm: a placement trial's replan replaced the model object")
+        if self.config.settle_pooling and any(t.owner_pooling == "auto" for _, t in sharded_modules(model.module)):
+            self._skip = max(self._skip, 2 * (MEASURED_ROUNDS + 1))   # each path: one round uncounted, then timed
         self.moves += 1
         self.move_seconds += time.perf_counter() - start
         self.current, self._want = index, None

@@ -215,7 +215,8 @@ def case_trial(rank, world):
     model = Net(rows=BIG)
     steps = 24
     ours, opt = sparsecomm.parallelize(model, torch.optim.SGD, lr=0.3,
-                                       trial=sparsecomm.TrialConfig(warmup=1, settle=1, measure=2, sample=False))
+                                       trial=sparsecomm.TrialConfig(warmup=1, settle=1, measure=2, sample=False,
+                                                                    settle_pooling=False))
     pipe = sparsecomm.pipeline([rank_batch(rank, s) for s in range(steps)], ours)
     for b in pipe:
         train(ours, opt, [b])

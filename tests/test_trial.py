@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import sparsecomm
 from sparsecomm.hooks.state import SparseCommState
+from sparsecomm.sharded.pooling import MEASURED_ROUNDS
 from sparsecomm.sharded.table import ShardedTable
 from sparsecomm.trial import Candidate, TrialConfig, candidates
 
@@ -25,7 +26,13 @@ from distributed import expect_value_error, spawned_fixture, weight_diffs
 GLOBAL_BATCH = 6
 TOL = 1e-6
 # No drift re-check: a step slowed by a busy machine must not start one in the cases that check the first decision.
-FAST = TrialConfig(warmup=1, settle=1, measure=2, drift=0)
+def quick(**options):
+    """A short trial for tests: the candidates measured right after their moves, the pooling's measuring rounds
+    counted (``settle_pooling=False``; ``case_settle_pooling`` checks the default)."""
+    return TrialConfig(settle_pooling=False, **options)
+
+
+FAST = quick(warmup=1, settle=1, measure=2, drift=0)
 OPTIMIZERS = {"sgd": (torch.optim.SGD, dict(lr=0.02)),      # small enough that training converges: a diverging
               "adagrad": (torch.optim.Adagrad, dict(lr=0.05, initial_accumulator_value=0.1)),  # run amplifies roundoff
               "adam": (torch.optim.Adam, dict(lr=0.01))}
@@ -146,7 +153,7 @@ def case_trial(rank, world, name, config=FAST):
 def case_pending(rank, world):
     """A move due while a lookup awaits its backward is made one step later; training stays exact."""
     cls, kw = OPTIMIZERS["adagrad"]
-    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=0, settle=0, measure=1), **kw)
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=quick(warmup=0, settle=0, measure=1), **kw)
     trial, ref = opt.trial, Reference("adagrad")
     step_of(model, opt, 0, rank, world)   # replicated measured: to the planned placement
     ref.step(0)
@@ -171,7 +178,7 @@ def case_pending(rank, world):
 def case_recheck(rank, world):
     """Re-checks every K steps, and when one rank's steps drift slower; every rank re-checks alike, exactly."""
     cls, kw = OPTIMIZERS["sgd"]
-    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2,
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=quick(warmup=1, settle=1, measure=2,
                                                                         recheck_every=10, drift=0.5, drift_gap=0),
                                         **kw)
     trial, ref = opt.trial, Reference("sgd")
@@ -211,7 +218,7 @@ def case_drift_gap(rank, world):
     """A drift re-check waits drift_gap re-checks' length after the decision (twice that after a drift re-check
     that kept the placement); the log says from which step, the same on every rank; exact throughout."""
     cls, kw = OPTIMIZERS["sgd"]
-    config = TrialConfig(warmup=1, settle=1, measure=2, drift=0.5, drift_gap=5, sample=False)
+    config = quick(warmup=1, settle=1, measure=2, drift=0.5, drift_gap=5, sample=False)
     gap = 5 * 2 * (config.settle + config.measure)   # 30 steps: longer than the hook's timing of its sync modes
     model, opt = sparsecomm.parallelize(Model(), cls, trial=config, **kw)
     trial, ref = opt.trial, Reference("sgd")
@@ -246,7 +253,7 @@ def case_confirm(rank, world):
 
     Steps are made slow by a sleep per placement (replicated and row-sharded alike, the planned one far slower)."""
     cls, kw = OPTIMIZERS["sgd"]
-    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2,
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=quick(warmup=1, settle=1, measure=2,
                                                                         sample=False), **kw)
     trial, ref = opt.trial, Reference("sgd")
     sleeps = {"replicated": 0.15, "planned": 0.6, "row-sharded": 0.15}
@@ -268,13 +275,13 @@ def case_confirm(rank, world):
     assert trial.candidates[trial.kept].name in ("replicated", "row-sharded")
     assert trial.sampled_plan is None and len(trial.candidates) == 3
     # confirm=0: the first pass decides
-    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2, confirm=0),
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=quick(warmup=1, settle=1, measure=2, confirm=0),
                                         **kw)
     for step in range(20):
         step_of(model, opt, step, rank, world)
     assert opt.trial.done and not any("measured again" in e for e in opt.trial.log), opt.trial.report()
     # All three alike: every one within the band is measured again, not only the runner-up.
-    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2, confirm=0.5,
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=quick(warmup=1, settle=1, measure=2, confirm=0.5,
                                                                         sample=False), **kw)
     third = opt.trial
     model.module.register_forward_pre_hook(lambda module, args: None if third.done else time.sleep(0.1))
@@ -305,7 +312,7 @@ def case_hook_trial(rank, world):
     made 0.15 s slower here, are neither a drift of the kept placement nor kept themselves; training stays exact."""
     cls, kw = OPTIMIZERS["sgd"]
     # drift=5: a window of eager steps (~30x) is far past it, this machine's noise (~3x at worst) is not.
-    model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(warmup=1, settle=1, measure=2, drift=5.0,
+    model, opt = sparsecomm.parallelize(Model(), cls, trial=quick(warmup=1, settle=1, measure=2, drift=5.0,
                                                                         sample=False), **kw)
     trial, ref = opt.trial, Reference("sgd")
     real = SparseCommState.begin_step
@@ -336,13 +343,33 @@ def case_hook_trial(rank, world):
     return True
 
 
-WHOLE = TrialConfig(warmup=1, settle=1, measure=2, drift=0, stale_replicas=False)   # moves send whole tables
-CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [("trial-whole-adam", case_trial, ("adam", WHOLE)),("pending", case_pending, ()),
-                                                                    ("recheck", case_recheck, ()),
-                                                                    ("drift-gap", case_drift_gap, ()),
-                                                                    ("confirm", case_confirm, ()),
-                                                                    ("off", case_off, ()),
-                                                                    ("hook-trial", case_hook_trial, ())]
+def case_settle_pooling(rank, world):
+    """By default a candidate is timed only once its tables' ``owner_pooling="auto"`` has timed both paths (8
+    rounds after the move, one a step here): each move to a placement with such tables delays the decision by
+    those steps less ``settle``; training stays exact."""
+    cls, kw = OPTIMIZERS["sgd"]
+    decided_at = {}
+    for settle_pooling in (True, False):
+        model, opt = sparsecomm.parallelize(Model(), cls, trial=TrialConfig(
+            warmup=1, settle=1, measure=2, sample=False, confirm=0, drift=0, settle_pooling=settle_pooling), **kw)
+        trial, ref = opt.trial, Reference("sgd")
+        step = 0
+        while not trial.done and step < 60:
+            step_of(model, opt, step, rank, world)
+            ref.step(step)
+            step += 1
+        assert_same(model, ref.model, f"settle_pooling={settle_pooling}, world {world}")
+        assert trial.done and trial.moves >= 2, trial.report()   # replicated, then planned and row-sharded
+        decided_at[settle_pooling] = int(next(e for e in trial.log if ": trial:" in e).split(":")[0].split()[1])
+    assert decided_at[True] - decided_at[False] == 2 * (2 * (MEASURED_ROUNDS + 1) - 1), decided_at
+    return decided_at
+
+
+WHOLE = quick(warmup=1, settle=1, measure=2, drift=0, stale_replicas=False)   # moves send whole tables
+CASES = [(f"trial-{n}", case_trial, (n,)) for n in OPTIMIZERS] + [
+    ("trial-whole-adam", case_trial, ("adam", WHOLE)), ("pending", case_pending, ()), ("recheck", case_recheck, ()),
+    ("drift-gap", case_drift_gap, ()), ("confirm", case_confirm, ()), ("off", case_off, ()),
+    ("hook-trial", case_hook_trial, ()), ("settle-pooling", case_settle_pooling, ())]
 
 
 spawned = spawned_fixture(CASES)   # worlds 2 and 3, every case in one spawn each
