@@ -25,8 +25,8 @@ The candidates, in the order they are tried:
    up, with the link and optimizer measured (what ``parallelize`` plans from
    a sample batch); made after that step, one collective.
 
-Identical candidates are tried once. When the first pass has candidates
-within ``confirm`` of its fastest, all of them and the fastest are measured
+Identical candidates are tried once. When the first pass's runner-up is
+within ``confirm`` of its fastest, both are measured
 again, back to back, and those steps decide: a candidate's steps measured a
 pass apart differ by more than that (the first candidate's steps are the
 job's first, its buffers and pages still new). The job starts replicated: moving a
@@ -116,8 +116,8 @@ class TrialConfig:
             keeps the placement and starts again from this after any other decision (0: as soon as a window of
             steps shows the drift).
         margin: how much faster (as a fraction) another candidate must be to replace the kept one at a re-check.
-        confirm: measure every candidate within this fraction of the first pass's fastest again, with the
-            fastest, back to back, and decide on those steps (0: never). Steps measured far apart differ by more
+        confirm: measure the runner-up again with the fastest, back to back, when within this fraction of it
+            after the first pass, and decide on those steps (0: never). Steps measured far apart differ by more
             than candidates this close do (the first candidate's steps are the job's first).
         sample: also try the planner's pick for the ids the job's first step looked up (the plan
             ``parallelize`` makes from a sample batch), made after that step.
@@ -338,14 +338,15 @@ class PlacementTrial:
             self.candidates.append(c)
 
     def _confirm(self, optimizer: Any, measured: List[int], figures: str) -> bool:
-        """After the first pass: when others are within ``confirm`` of the fastest, measure them all again (True).
+        """After the first pass: when the runner-up is within ``confirm`` of the fastest, measure both again (True).
 
         Candidates measured a pass apart differ by the machine's drift, which
-        can exceed their difference: a third one within the band gets its
-        chance too, not only the runner-up."""
+        can exceed their difference. Only the two fastest: each candidate
+        measured again costs a move and ``settle + measure`` steps, and a
+        third within the band is at most ``confirm`` slower than the kept one."""
         ranked = sorted(measured, key=lambda i: self.candidates[i].ms)
         bound = (1 + self.config.confirm) * self.candidates[ranked[0]].ms if ranked else 0.0
-        close = [i for i in ranked if self.candidates[i].ms <= bound]
+        close = [i for i in ranked if self.candidates[i].ms <= bound][:2]
         if self._confirmed or not self.config.confirm or len(close) < 2:
             return False
         self._confirmed = True
