@@ -38,7 +38,8 @@ carries from one step into the next counts too):
   fastest, then its replicas'
   hook measures its sync modes (``eager_sparse='auto'``). Here both trials
   run to their decisions right after the checked step, alone, on batches of
-  their own; ``trial_s`` is their wall time, ``trial_cost`` what they cost
+  their own; ``trial_s`` is the time of their steps (moves included, batches
+  made off the clock), ``trial_cost`` what they cost
   beyond the same steps at the kept placement's speed, as a share of a
   1,000-step run;
 - ``parallelize_plan``: ``parallelize`` with the plan made from a sample batch
@@ -143,7 +144,7 @@ LEGEND = {
     "#wrong": "tensors off a float64 single-process step on the whole batch (non-zero exits 3)",
     "kept": "what the trial kept: parallelize's placement (replicated, planned, row-sharded, table-wise or sampled), "
             "the hook's sparse sync mode (eager or fused)",
-    "trial_s": "wall time of the placement trial (its steps included)",
+    "trial_s": "time of the placement trial's steps, its moves included (the batches made off the clock)",
     "trial_steps": "steps the placement trial took",
     "trial_cost": "the trial's time beyond as many steps at the kept placement's speed, per 1,000 steps at that speed",
 }
@@ -302,22 +303,19 @@ def _train_step(r: Dict[str, Any], b: Any) -> Tuple[float, float, float, float, 
 
 def _finish_trial(r: Dict[str, Any], a: argparse.Namespace, rows: Sequence[int], rank: int) -> Dict[str, Any]:
     """Train this method alone until its placement trial has decided: its steps, wall time and report."""
-    opt, model, steps = r["opt"], r["model"], 0
-    c = opt.trial.config
-    # every candidate (and the one its first step may add), two confirmed again, the last move
-    needed = c.warmup + (len(opt.trial.candidates) + 3) * (c.settle + c.measure) + c.settle + 2
-    batches = [make_batch(a, rows, 100_000 + i, rank) for i in range(needed)]   # made before the clock starts
-    start = time.perf_counter()
+    opt, model, steps, seconds = r["opt"], r["model"], 0, 0.0
     while (not opt.trial.done or _hook_state(model).eager_undecided) and steps < 500:
-        b = batches[steps] if steps < needed else make_batch(a, rows, 100_000 + steps, rank)
+        b = make_batch(a, rows, 100_000 + steps, rank)   # off the clock (~20 ms a batch: more than a step)
+        start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss_of(model, b).backward()
-        opt.step()
+        opt.step()   # the trial's moves run in its post-step hook: on the clock
+        seconds += time.perf_counter() - start
         steps += 1
     hook = _hook_state(model).eager_trial
     report = opt.trial.report() + (f"\n# its hook's sparse syncs: {hook.reason}" if hook is not None else "") \
         + _paths(_hook_state(model))
-    return dict(steps=steps, seconds=time.perf_counter() - start, report=report, log_len=len(opt.trial.log),
+    return dict(steps=steps, seconds=seconds, report=report, log_len=len(opt.trial.log),
                 kept=opt.trial.candidates[opt.trial.kept].name if opt.trial.done else "undecided")
 
 
