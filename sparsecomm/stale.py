@@ -52,6 +52,7 @@ __all__ = ["StaleReplicas", "StaleTable", "Refresh", "same_memory"]
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK_ROWS = 1 << 16   # rows compared at a time: bounds the gathered copy of the stale rows
+_EXCHANGE_BYTES = 64 << 20   # changed rows of the tables of one refresh exchange, all ranks' together
 
 
 @dataclasses.dataclass
@@ -130,6 +131,22 @@ def _whole_move(r: Refresh) -> float:
     n = table.layout.world_size
     return max(table.num_embeddings if scheme == "table" else -(-table.num_embeddings // n)
                for scheme in (table.scheme, r.to_scheme))
+
+
+def _batches(sending: List[Tuple[Refresh, _Changes, List[int]]]) -> List[List[Tuple[Refresh, _Changes, List[int]]]]:
+    """The tables in order, in batches whose rows from every rank together stay under :data:`_EXCHANGE_BYTES`
+    (a table over it alone): the bound on one exchange's buffers. From the gathered counts: the same on every rank."""
+    out: List[List[Tuple[Refresh, _Changes, List[int]]]] = []
+    size = 0
+    for item in sending:
+        _, c, counts = item
+        nbytes = sum(counts) * (8 + sum(x.shape[1] * x.element_size() for x in c.current))
+        if not out or size + nbytes > _EXCHANGE_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += nbytes
+    return out
 
 
 class StaleReplicas:
@@ -230,6 +247,14 @@ class StaleReplicas:
             self.rows_sent += c.which.numel()
             self.rows_total += c.owned.numel()
             sending.append((r, c, counts))
+        for batch in _batches(sending):   # one exchange unless the rows of all of them would make a large buffer
+            self._patch(batch, group)
+        kept = {r.name for r, _, _ in sending}
+        return [c.copy if r.name in kept else None for r, c in zip(tables, changes)]
+
+    @staticmethod
+    def _patch(sending: Sequence[Tuple[Refresh, "_Changes", List[int]]], group: Any) -> None:
+        """Send every rank's changed rows of these tables in one exchange; patch every copy with them."""
         shards = [Shard(c.which if r.table.layout.spread else c.owned[c.which],   # a spread shard's slots are its ids
                         torch.cat([x[c.which.to(x.device)] for x in c.current], 1), c.copy.weight.shape[0])
                   for r, c, _ in sending]
@@ -244,8 +269,6 @@ class StaleReplicas:
                 width = target.shape[1]
                 target[ids.to(target.device)] = rows[:, at:at + width].to(target)
                 at += width
-        kept = {r.name for r, _, _ in sending}
-        return [c.copy if r.name in kept else None for r, c in zip(tables, changes)]
 
     def _changes(self, r: "Refresh", optimizer: Any) -> "_Changes":
         """What this rank's shard of ``r.table`` holds against its copy (no communication)."""

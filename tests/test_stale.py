@@ -121,7 +121,21 @@ def case_not_everyone(rank, world):
 
 def case_collectives_per_move(rank, world):
     """A move of every table from its copy: one count all-gather and one row exchange for all of them, and no
-    collective per new table (replan agreed on the placements); training stays exact."""
+    collective per new table (replan agreed on the placements); with a bound on an exchange's bytes below one
+    table's rows, one exchange a table. Training stays exact."""
+    assert collectives_of_moves(rank, world) == {"counts": 1, "shards": [3], "tables": 0}
+    bound = stale_module._EXCHANGE_BYTES
+    stale_module._EXCHANGE_BYTES = 1
+    try:
+        assert collectives_of_moves(rank, world) == {"counts": 1, "shards": [1, 1, 1], "tables": 0}
+    finally:
+        stale_module._EXCHANGE_BYTES = bound
+    return True
+
+
+def collectives_of_moves(rank, world):
+    """The collectives of two moves of the three tables (replicas to hash shards, then to table-wise on rank 0),
+    training checked against single-process training after every step."""
     from sparsecomm.sharded import table as table_module
 
     calls = {"counts": 0, "shards": [], "tables": 0}
@@ -159,9 +173,7 @@ def case_collectives_per_move(rank, world):
         rp.train_step(model, opt, sched, i, rank, world)
         ref.step(i)
         rp.assert_same(model, ref.model, f"collectives, world {world}, plan {i}")
-    # Move 1 (replicas to hash shards) refreshes nothing; move 2 (hash to table-wise) all three tables at once.
-    assert calls == {"counts": 1, "shards": [3], "tables": 0}, calls
-    return True
+    return calls   # move 1 refreshes nothing (the shards are cut from the replicas); move 2 the three tables
 
 
 CASES = [(f"same-bits-{n}", case_same_bits, (n,)) for n in ("sgd", "adagrad", "adam")] + \
