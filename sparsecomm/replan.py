@@ -105,7 +105,7 @@ def _copy_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def _shard(name: str, m: nn.Module, optimizer: ParallelOptimizer, where: Where, group,
            stale: Optional[StaleReplicas]) -> Moved:
-    """A replica to a sharded table: this rank's rows of its weight and state (no communication but the seed's).
+    """A replica to a sharded table: this rank's rows of its weight and state (no communication).
 
     With stale replicas, the replica's weight and state are kept as the table's copy (they are not updated any more).
     """

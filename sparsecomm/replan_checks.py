@@ -29,8 +29,6 @@ class ReplanBusy(ValueError):
     """Refused: the model is mid-step on some rank; the same replan goes through after step() and zero_grad()."""
 
 
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DDP) else model
 

@@ -3,8 +3,8 @@
 On real gloo ranks (worlds 2 and 3): small objects, one rank's large
 object among small ones, tensors inside, against what each rank gave; the
 number of all-gathers (one when every object fits the first, two
-otherwise); a peer that announces an impossible size makes every other
-rank raise instead of allocating from it.
+otherwise); a peer that announces an impossible size (too large,
+negative) makes every other rank raise instead of allocating from it.
 """
 
 from __future__ import annotations
@@ -49,14 +49,16 @@ def case_objects(rank, world):
 
 
 def case_bad_peer(rank, world):
-    """Rank 0 sends a header announcing 2**40 bytes; every other rank raises, naming it, and allocates nothing."""
-    if rank == 0:
-        first = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
-        first[:8] = torch.tensor([1 << 40], dtype=torch.int64).view(torch.uint8)
-        dist.all_gather([torch.empty_like(first) for _ in range(world)], first)
-        return True
-    with pytest.raises(ValueError, match="rank 0 announced a pickled object of 1099511627776 bytes"):
-        all_gather_objects("fine", dist.group.WORLD)
+    """Rank 0 sends headers announcing 2**40 bytes, then -5; every other rank raises, naming it, and allocates
+    nothing from it."""
+    for size in (1 << 40, -5):
+        if rank == 0:
+            first = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
+            first[:8] = torch.tensor([size], dtype=torch.int64).view(torch.uint8)
+            dist.all_gather([torch.empty_like(first) for _ in range(world)], first)
+            continue
+        with pytest.raises(ValueError, match=f"rank 0 announced a pickled object of {size} bytes"):
+            all_gather_objects("fine", dist.group.WORLD)
     return True
 
 
