@@ -105,8 +105,6 @@ class TrialConfig:
     Attributes:
         warmup: steps before anything is measured (the first steps build buffers and probe the link).
         settle: steps after each move that are not measured.
-        settle_pooling: also leave out, after a move, the rounds in which tables with ``owner_pooling="auto"`` time
-            each pooling path (8), so that every candidate is timed in its steady state.
         measure: measured steps per candidate (their median counts).
         recheck_every: steps between re-checks after the decision (0: none).
         drift: re-check when the kept placement's recent median step is this fraction above its measured one
@@ -124,11 +122,12 @@ class TrialConfig:
         stale_replicas: keep each sharded table's last replica (:mod:`sparsecomm.stale`) while a move may still come
             (through the re-checks), so moves send only changed rows; costs the replicated placement's memory,
             which the trial's first candidate used anyway. False: every move sends whole tables.
+        settle_pooling: also leave out, after a move, the rounds in which tables with ``owner_pooling="auto"`` time
+            each pooling path (8), so that every candidate is timed in its steady state.
     """
 
     warmup: int = 3
     settle: int = 2
-    settle_pooling: bool = True
     measure: int = 8
     recheck_every: int = 0
     drift: float = 0.15
@@ -137,6 +136,7 @@ class TrialConfig:
     confirm: float = 0.1
     sample: bool = True
     stale_replicas: bool = True
+    settle_pooling: bool = True   # last: the fields before it keep their positions
 
     def __post_init__(self) -> None:
         for name in ("warmup", "settle", "measure", "recheck_every", "drift_gap"):
