@@ -331,12 +331,11 @@ def push_to_owners(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
 
 def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist.ProcessGroup], *,
                    wire_ids: torch.dtype, device: torch.device, stats: Optional[SparseSyncStats] = None,
-                   peer_node: Optional[Sequence[int]] = None, counts: Optional[List[int]] = None,
-                   max_rows: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                   peer_node: Optional[Sequence[int]] = None, max_rows: Optional[int] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Give every rank of ``group`` the rows each rank holds (sizes may differ).
 
     Args:
-        counts: every rank's row count, when already known (skips one exchange).
         max_rows: the most rows a peer may announce (the table's rows); counts
             received from peers are checked against it before anything is allocated.
 
@@ -344,12 +343,10 @@ def allgather_rows(ids: torch.Tensor, values: torch.Tensor, group: Optional[dist
         ``(ids, values)`` of all ranks, concatenated in rank order.
     """
     n = dist.get_world_size(group)
-    if counts is None:
-        # An all-to-all of one int64, not an all-gather: gloo's all-gather of a
-        # few bytes costs several times the latency of its all-to-all.
-        counts = exchange_counts(torch.full((n,), ids.shape[0], dtype=torch.int64), group, device, stats,
-                                 peer_node)
-        counts = check_counts(counts, max_rows if max_rows is not None else 2**62, "rows to share")
+    # An all-to-all of one int64, not an all-gather: gloo's all-gather of a
+    # few bytes costs several times the latency of its all-to-all.
+    counts = exchange_counts(torch.full((n,), ids.shape[0], dtype=torch.int64), group, device, stats, peer_node)
+    counts = check_counts(counts, max_rows if max_rows is not None else 2**62, "rows to share")
     # The same rows go to every peer, at their exact sizes (no padding to the largest rank).
     wire = Gathered(ids, None, wire_ids)
     per_row = _wire_width(wire) + _row_bytes(values)

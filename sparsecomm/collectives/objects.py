@@ -61,10 +61,11 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any
         dist.all_gather_object(out, obj, group=group)
         return out
     data = pickle.dumps(obj)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     first = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
     first[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
     if len(data) <= INLINE_BYTES:
-        first[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        first[8:8 + len(data)] = payload
     got = [torch.empty_like(first) for _ in range(n)]
     dist.all_gather(got, first, group=group)
     sizes = [int(g[:8].view(torch.int64)) for g in got]
@@ -74,7 +75,7 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any
                          f"objects (at most {_MAX_BYTES}): a bug or a version mismatch between ranks")
     if max(sizes) > INLINE_BYTES:
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
-        padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        padded[:len(data)] = payload
         got = [torch.empty_like(padded) for _ in range(n)]
         dist.all_gather(got, padded, group=group)
     else:

@@ -128,15 +128,14 @@ def exchange_rows(rows: Sequence[torch.Tensor], routes: Routes, group: Optional[
 
 
 def allgather_table_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int,
-                         group: Optional[dist.ProcessGroup], complete: bool = True,
-                         counts: Optional[List[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                         group: Optional[dist.ProcessGroup], complete: bool = True
+                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Give every rank every rank's ``(ids, rows)``: assembles a full table from its shards.
 
     Args:
         complete: the ranks' ids together must be every id of ``[0, num_rows)``
             exactly once (a whole table); False: any ids of ``[0, num_rows)``
             (the caller checks which).
-        counts: every rank's row count, when the ranks already agreed on them (skips one exchange).
 
     Raises:
         ValueError: on every rank (all receive the same counts and ids), when
@@ -148,7 +147,7 @@ def allgather_table_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int,
         return ids, values
     dev = comm_device(group, values.device)
     out_ids, out_values = allgather_rows(ids, values.contiguous(), group, wire_ids=wire_index_dtype(num_rows),
-                                         device=dev, max_rows=num_rows, counts=counts)
+                                         device=dev, max_rows=num_rows)
     out_ids = out_ids.to(torch.int64)
     if not complete:
         return _inside(out_ids, num_rows), out_values
