@@ -16,7 +16,7 @@ from sparsecomm.collectives import sharded_request, sharded_wire
 from sparsecomm.collectives.sharded_exchange import PooledRequest, TableRequest
 from sparsecomm.collectives.sharded_wire import (FINGERPRINT_LEN, InputStatus, MetaHeader, decode_headers,
                                                  decode_pooled, decode_tables, encode_message, encode_pooled,
-                                                 encode_row, pooled_words, row_width, validate)
+                                                 encode_row, padded_words, pooled_words, row_width, validate)
 from sparsecomm.types import WireStatus
 
 FORMULA = re.compile(r"``(6 \+ T \* \(3N \+ 12\))``")
@@ -63,16 +63,31 @@ def test_the_stated_row_width_is_what_encode_builds(tables, n, pooled):
     assert len(row) == stated_width(sharded_request.request_rows.__doc__, tables, n)
     capacity = 3
     header, metas = row_of(requests, n, capacity)
-    message = encode_message(encode_row(header, metas), [torch.arange(10) for _ in range(n)], n, 6)
+    message = encode_message(encode_row(header, metas), torch.arange(10).repeat(n), [10] * n, n, 6)
     assert message.shape == (n, len(row) + capacity)   # the row, then the ids padded to the capacity
     assert message[:, len(row):].tolist() == [[0, 1, 2]] * n
+
+
+def test_the_words_behind_the_rows_are_each_peers_first_capacity():
+    """Peers' words of different lengths (none, fewer than the capacity, more): each row carries its peer's first
+    ``capacity``, and the receiving side reads them back in source order."""
+    n, capacity = 3, 3
+    requests = [request(n, 0, False)]
+    header, metas = row_of(requests, n, capacity)
+    row = encode_row(header, metas)
+    words = torch.tensor([11, 12, 31, 32, 33, 34, 35])   # peer 0: two words, peer 1: none, peer 2: five
+    message = encode_message(row, words, [2, 0, 5], n, 6)
+    assert message[:, :len(row)].tolist() == [row] * n
+    assert message[:, len(row):].tolist() == [[11, 12, 0], [0, 0, 0], [31, 32, 33]]
+    assert padded_words(message, 1, [2, 0, 3]).tolist() == [11, 12, 31, 32, 33]
+    assert padded_words(message, 1, [0, 0, 0]).tolist() == []
 
 
 @pytest.mark.parametrize("tables,n,pooled", [(2, 3, "mixed"), (1, 1, True), (3, 8, False)])
 def test_a_row_decodes_to_what_was_encoded(tables, n, pooled):
     requests = [request(n, t, pooled is True or (pooled == "mixed" and t == 1)) for t in range(tables)]
     header, metas = row_of(requests, n)
-    message = encode_message(encode_row(header, metas), None, n, 6)
+    message = encode_message(encode_row(header, metas), None, [0] * n, n, 6)
     headers = decode_headers(message)
     assert headers == [header] * n
     announced = decode_tables(message, headers, tables)
@@ -93,7 +108,7 @@ def test_validate_names_an_impossible_count():
     n = 3
     requests = [TableRequest(torch.arange(3), torch.tensor([1, 1, 1]), (30, 4, 0, 0, 0, 0), 30, 10)]
     header, metas = row_of(requests, n)
-    message = encode_message(encode_row(header, metas), None, n, 6)
+    message = encode_message(encode_row(header, metas), None, [0] * n, n, 6)
     announced = decode_tables(message, decode_headers(message), 1)
     assert validate(announced, 0, [30], [8]) is None
     message[2, 6 + 2 + FINGERPRINT_LEN + 1] = 11   # rank 2 asks rank 1 for more ids than rank 1 owns

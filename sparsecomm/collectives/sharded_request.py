@@ -12,12 +12,13 @@ owners check the ids they received. The result is the round's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from sparsecomm import ops
 from sparsecomm.collectives.exchange import (all_to_all, all_to_all_rows, count_bytes, exchange_direct,
                                             wire_index_dtype, wire_row_bytes)
 from sparsecomm.collectives.groups import comm_device
@@ -218,7 +219,9 @@ class PendingRequest:
     me: int = 0
     n: int = 1
     device: Optional[torch.device] = None
-    pieces: Optional[List[List[torch.Tensor]]] = None   # per table, per owner: its words (ids, pooled extras)
+    # Every owner's int64 words (per table: ids, then pooled extras), owner 0's first; how many each owner's.
+    words: Optional[torch.Tensor] = None
+    lengths: List[int] = field(default_factory=list)
     message: Optional[torch.Tensor] = None              # (n, columns) int64: what this rank sends each peer
     width: int = META_HEAD                              # columns the first all-to-all sent
     received: Optional[torch.Tensor] = None             # (n, width): every peer's row for this rank
@@ -254,15 +257,22 @@ def start_request(requests: Sequence[TableRequest], status: InputStatus, *, roun
     head = MetaHeader(int(status.code), status.detail, round, capacity, len(requests),
                       row_width(len(requests), n) + capacity)
     row = encode_row(head, [r.meta(counts) for r, counts in zip(requests, send)])
-    # Per table, per owner: the unique ids (int64), then a pooled lookup's extras (int64 words).
-    p.pieces = []
-    for r, c in zip(requests, send):
-        ids = torch.split(r.ids_by_owner.to(torch.int64), c)
-        p.pieces.append([torch.cat([ids[j], r.pooled.words[j].to(ids[j].device)]) if r.pooled is not None
-                         else ids[j] for j in range(n)])
+    # Per owner, per table: the unique ids (int64), then a pooled lookup's extras (int64 words); one tensor.
+    ids = [torch.split(r.ids_by_owner.to(torch.int64), c) for r, c in zip(requests, send)]
+    parts: List[torch.Tensor] = []
+    for j in range(n):
+        count = 0
+        for t, r in enumerate(requests):
+            parts.append(ids[t][j])
+            count += send[t][j]
+            extras = r.pooled.words[j] if r.pooled is not None else None
+            if extras is not None and extras.numel():
+                parts.append(extras.to(ids[t][j].device))
+                count += int(extras.numel())
+        p.lengths.append(count)
+    p.words = torch.cat(parts)
     p.width = max(_MESSAGE_WIDTH.get(id(group), (META_HEAD, 0)))
-    padded = [torch.cat([pieces[j] for pieces in p.pieces]) for j in range(n)] if capacity else None
-    p.message = encode_message(row, padded, n, p.width)
+    p.message = encode_message(row, p.words, p.lengths, n, p.width)
     _send_meta(p, async_op, carry)
     return p
 
@@ -375,38 +385,50 @@ def _sizes(p: PendingRequest, a: Announced) -> _Sizes:
 
 def _exchange_ids(p: PendingRequest, received: torch.Tensor, s: _Sizes) -> torch.Tensor:
     """Every peer's words for this owner: read behind the rows when they fit, else a second all-to-all."""
-    n, requests, count = p.n, p.requests, len(p.requests)
+    n, requests = p.n, p.requests
     if p.capacity and s.largest <= p.capacity:
-        got = padded_words(received, count, _by_peer(s.recv_words, n))
+        got = padded_words(received, len(requests), _by_peer(s.recv_words, n))
     elif s.pooled_any:
-        flat = torch.cat([p.pieces[t][j] for j in range(n) for t in range(count)])
-        (got,) = all_to_all_rows([flat], _by_peer(s.send_words, n), _by_peer(s.recv_words, n), p.group, p.device,
+        (got,) = all_to_all_rows([p.words], _by_peer(s.send_words, n), _by_peer(s.recv_words, n), p.group, p.device,
                                  p.stats)
-    else:
+    else:   # ids only (nobody pooled): in the narrowest dtype that holds them
         wire = wire_index_dtype(max(r.num_rows for r in requests))
-        flat = torch.cat([p.pieces[t][j].to(wire) for j in range(n) for t in range(count)])
-        (got,) = all_to_all_rows([flat], _by_peer(p.send, n), _by_peer(s.recv, n), p.group, p.device, p.stats)
+        (got,) = all_to_all_rows([p.words.to(wire)], _by_peer(p.send, n), _by_peer(s.recv, n), p.group, p.device,
+                                 p.stats)
     return got.to(device=requests[0].ids_by_owner.device, dtype=torch.int64)
 
 
 def _split(p: PendingRequest, a: Announced, s: _Sizes, got: torch.Tensor) -> Routes:
     """Per table: the ids each peer asked of me, its pooled extras (checked), and the rows both ways."""
     me, n, count = p.me, p.n, len(p.requests)
-    per_source = _split_by_peer(got, s.recv_words)          # [table][source rank]: ids, then pooled extras
+    starts = [[0] * n for _ in range(count)]   # [table][source rank]: where its words start in ``got``
+    at = 0
+    for src in range(n):
+        for t in range(count):
+            starts[t][src] = at
+            at += s.recv_words[t][src]
+    got = got.contiguous()
+    raw = got.view(torch.uint8)
     requested, pooled_parts, problem = [], [], None
     for t, r in enumerate(p.requests):
-        ids_t, parts_t = [], []
+        ids_t = got.new_empty(sum(s.recv[t]))   # every source's ids for table t, in source order: one copy
+        segments, at = [], 0
+        for src, ids in enumerate(s.recv[t]):
+            if ids:
+                segments.append((at, ids, 8 * starts[t][src]))
+            at += ids
+        if segments:
+            ops.unpack_rows(ids_t, raw, segments)
+        parts_t = []
         for src in range(n):
-            piece, ids = per_source[t][src], s.recv[t][src]
-            ids_t.append(piece[:ids])
             part = None
             if s.paths[t][src]:
-                m = a.tables[src][t]
-                part = decode_pooled(piece[ids:], m.occurrences[me], m.bags[me],
+                m, lo, ids = a.tables[src][t], starts[t][src], s.recv[t][src]
+                part = decode_pooled(got[lo + ids:lo + s.recv_words[t][src]], m.occurrences[me], m.bags[me],
                                      r.weight_dtype if s.weight_bytes[t][src] else None)
                 problem = problem or pooled_problem(part, ids, src, me)
             parts_t.append(part)
-        requested.append(torch.cat(ids_t))
+        requested.append(ids_t)
         pooled_parts.append(parts_t)
     for r, ids, counts in zip(p.requests, requested, s.recv):
         problem = problem or ids_problem(ids, counts, me, r.num_rows, r.owns, r.owned_range)
@@ -421,14 +443,6 @@ def _split(p: PendingRequest, a: Announced, s: _Sizes, got: torch.Tensor) -> Rou
 
 def _by_peer(per_table: Sequence[Sequence[int]], n: int) -> List[int]:
     return [sum(c[j] for c in per_table) for j in range(n)]
-
-
-def _split_by_peer(flat: torch.Tensor, per_table: Sequence[Sequence[int]]) -> List[List[torch.Tensor]]:
-    """Undo the peer-major packing of :func:`request_rows`' messages: per table, one piece per source rank."""
-    n = len(per_table[0]) if per_table else 0
-    sizes = [per_table[t][j] for j in range(n) for t in range(len(per_table))]
-    pieces = torch.split(flat, sizes) if sizes else []
-    return [[pieces[j * len(per_table) + t] for j in range(n)] for t in range(len(per_table))]
 
 
 def _local_routes(requests: Sequence[TableRequest], send: List[List[int]]) -> Routes:

@@ -52,6 +52,7 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from sparsecomm import ops
 from sparsecomm.types import WireStatus
 
 __all__ = ["FINGERPRINT_LEN", "MAX_OCCURRENCES", "META_HEAD", "MAX_WIDTH", "InputStatus", "MetaHeader",
@@ -166,20 +167,26 @@ def encode_row(header: MetaHeader, tables: Sequence[TableMeta]) -> List[int]:
     return row
 
 
-def encode_message(row: Sequence[int], padded: Optional[Sequence[torch.Tensor]], n: int, width: int) -> torch.Tensor:
-    """``(n, max(need, width))`` int64 on the CPU: the row for every peer, then peer j's ``padded[j]``.
+def encode_message(row: Sequence[int], words: Optional[torch.Tensor], lengths: Sequence[int], n: int,
+                   width: int) -> torch.Tensor:
+    """``(n, max(need, width))`` int64 on the CPU: the row for every peer, then the first of peer j's words.
 
-    ``padded[j]`` holds the int64 words for owner j (ids, then pooled extras);
-    only the first ``capacity`` travel here (the rest, if any, take a second
+    ``words`` holds every peer's int64 words (ids, then pooled extras) back to
+    back, peer 0's first, ``lengths[j]`` of them peer j's; only the first
+    ``capacity`` of each peer's travel here (the rest, if any, take a second
     all-to-all, which every rank sees from the counts).
     """
     head, capacity, need = len(row), row[3], row[5]
     full = torch.zeros(n, max(need, width), dtype=torch.int64)
     full[:, :head] = torch.tensor(row, dtype=torch.int64)
-    if capacity and padded is not None:
-        for j in range(n):
-            mine = padded[j][:capacity].cpu()
-            full[j, head:head + mine.numel()] = mine
+    if capacity and words is not None:
+        segments, at = [], 0
+        for j, count in enumerate(lengths):
+            if count:   # one copy for every peer: behind peer j's row, from word ``at``
+                segments.append((j * full.shape[1] + head, min(count, capacity), 8 * at))
+            at += count
+        if segments:
+            ops.unpack_rows(full.view(-1), words.cpu().contiguous().view(torch.uint8), segments)
     return full
 
 
@@ -230,8 +237,16 @@ def decode_tables(received: torch.Tensor, headers: List[MetaHeader], num_tables:
 
 def padded_words(received: torch.Tensor, num_tables: int, words: Sequence[int]) -> torch.Tensor:
     """The words each source rank padded behind its row for this rank (``words[r]`` of rank r), concatenated."""
-    head = row_width(num_tables, received.shape[0])
-    return torch.cat([received[r, head:head + c] for r, c in enumerate(words)])
+    head, stride = row_width(num_tables, received.shape[0]), received.shape[1]
+    out = received.new_empty(sum(words))
+    segments, at = [], 0
+    for r, count in enumerate(words):
+        if count:
+            segments.append((at, count, 8 * (r * stride + head)))
+        at += count
+    if segments:
+        ops.unpack_rows(out, received.contiguous().view(-1).view(torch.uint8), segments)
+    return out
 
 
 def _describe_status(rank: int, status: int, detail: int, num_rows: Optional[int]) -> str:
@@ -364,6 +379,8 @@ class PooledPart(NamedTuple):
 def pooled_problem(part: PooledPart, unique: int, src: int, me: int) -> Optional[str]:
     """Why this owner refuses what requester ``src`` sent for a pooled lookup, or None."""
     pos, lengths = part.positions, part.lengths
+    if not pos.numel() and not lengths.numel():
+        return None
     if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= unique):
         return f"rank {src} sent rank {me} an occurrence position outside [0, {unique}) for a pooled lookup"
     if lengths.numel() and int(lengths.min()) < 1:
@@ -402,6 +419,8 @@ def pooled_words(occurrences: int, bags: int, weight_bytes: int) -> int:
 
 def encode_pooled(positions: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
     """One owner's pooled extras: int32 positions, int32 bag lengths, then the weights, as int64 words."""
+    if not positions.numel() and not lengths.numel():   # an owner asked nothing (most, for a table-wise table)
+        return torch.zeros(0, dtype=torch.int64, device=positions.device)
     parts = [positions.to(torch.int32), lengths.to(torch.int32)]
     return pack_words(*parts, *([weights] if weights is not None else []))
 
@@ -412,6 +431,9 @@ def decode_pooled(words: torch.Tensor, occurrences: int, bags: int, weight_dtype
 
     The counts come from a validated row; the contents are checked by :func:`pooled_problem`.
     """
+    if not occurrences and not bags:   # nothing asked of this owner: no words to read
+        empty = words.new_zeros(0)
+        return PooledPart(empty, empty, words.new_zeros(0, dtype=weight_dtype) if weight_dtype is not None else None)
     wp, wl = words_for(occurrences, 4), words_for(bags, 4)
     return PooledPart(_unpack(words[:wp], torch.int32, occurrences).to(torch.int64),
                       _unpack(words[wp:wp + wl], torch.int32, bags).to(torch.int64),

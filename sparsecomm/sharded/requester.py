@@ -113,7 +113,8 @@ def rows_request(t: LookupTable, info: TableRound, lookups: Sequence[Lookup], ok
         elif t.owner_pooling == "auto":
             estimates, info.timed = pooling.measured(t), True
             info.row_bags = lookups[0].bags
-    if info.unique.numel():
+    # One owner (table-wise): the rows arrive in the order asked, the inverses already point at them.
+    if info.unique.numel() and not (hot_mask is None and t.layout.scheme == "table"):
         _point_to_arrival(info, hot_mask)
     return TableRequest(info.part.ids, info.part.counts, t.fingerprint(), t.num_embeddings, t.layout.num_local,
                         bool(lookups), t.layout.owns, weight_dtype=t.local_weight.dtype, estimates=estimates,
