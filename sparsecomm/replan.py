@@ -186,8 +186,7 @@ def _move(inner: nn.Module, optimizer: ParallelOptimizer, name: str, new: Where,
 def _refreshed(inner: nn.Module, optimizer: ParallelOptimizer, moves, stale: Optional[StaleReplicas]
                ) -> Dict[str, Optional[StaleTable]]:
     """The stale copies of the shards that move, brought up to date in one exchange for all (None: not usable)."""
-    todo = [Refresh(name, inner.get_submodule(name), None if new.replicated else new.scheme, new.owner)
-            for name, _, new in moves
+    todo = [Refresh(name, inner.get_submodule(name), None if new.replicated else new.scheme) for name, _, new in moves
             if stale is not None and name in stale and isinstance(inner.get_submodule(name), ShardedTable)]
     return dict(zip([r.name for r in todo], stale.current_tables(todo, optimizer.sharded))) if todo else {}
 

@@ -7,21 +7,13 @@ hundred MB. A placement trial (:mod:`sparsecomm.trial`) makes such moves a few
 steps apart, between placements that touch a small part of the table.
 :class:`StaleReplicas` keeps, when a table leaves its replica, that replica's
 weight and row state (the replica's own tensors: no copy). It is the same on
-every rank. When the table moves again, only rows that changed since
-travel, and only where the new placement needs them: every rank learns the
-ids of the changed rows (one all-gather for all the tables of a move), and
-each row goes from its owner to every rank that holds it at the new
-placement (every rank, for a replica) and whose copy has it stale, in one
-exchange. A rank's copy is then current on the rows it holds at the new
-placement, from which that placement is cut
+every rank. When the table moves again, only the rows that changed since
+travel, in one all-gather (one for all the tables of a move). Every rank
+then patches its copy and holds the
+whole current table, weight and state, from which the next placement is cut
 locally, with nothing copied: a table-wise owner's shard is the copy's
 memory itself, and a hash shard spreads over it (its slots are its ids, and
 the rows other ranks own stay the copy's; :mod:`sparsecomm.sharded.layout`).
-The rows left stale in some copies are remembered (which ids, whose copies)
-and travel at the move that needs them: across hosts a move to table-wise
-sends each changed row to one rank, not to all. (At two ranks a move sends
-every row the other copy lacks: it rides in the direction the move leaves
-idle.)
 Moving out of a replica therefore writes nothing and allocates nothing.
 Which rows changed: the shard's row log (:mod:`sparsecomm.sharded.row_log`)
 of the rows the owner-side optimizer wrote, while the versions of the
@@ -31,11 +23,9 @@ copy, bit for bit (NaNs and signed zeros included), and a shard that is its
 copy's memory sends every row. The result is the same bits as a move of
 the whole table.
 
-Trust: the copies start from replicas that DDP keeps equal, and each rank
-knows which rows of every copy are stale from the same gathered ids, so
-every rank computes the same routes (the counts of those records travel in
-the refresh's all-gather, and ranks that disagree raise on every rank).
-:func:`sparsecomm.replan` uses a table's copy only when every
+Trust: the copies stay equal on every rank because they start from
+replicas that DDP keeps equal and change only by the same all-gather
+everywhere. :func:`sparsecomm.replan` uses a table's copy only when every
 rank holds one of the same shape (agreed in its one all-gather of objects),
 and moves the whole table otherwise.
 
@@ -53,9 +43,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from sparsecomm import ops, ownership
-from sparsecomm.collectives.objects import all_gather_objects, world
-from sparsecomm.collectives.sharded_exchange import allgather_ids, exchange_blocks
+from sparsecomm import ops
+from sparsecomm.collectives.objects import all_gather_objects
+from sparsecomm.collectives.sharded_exchange import Shard, allgather_shards
 from sparsecomm.sharded.row_log import RowLog
 
 __all__ = ["StaleReplicas", "StaleTable", "Refresh", "same_memory"]
@@ -109,43 +99,11 @@ def changed_rows(ids: torch.Tensor, current: Sequence[torch.Tensor], stale: Sequ
 
 class Refresh(NamedTuple):
     """A table about to move (:meth:`StaleReplicas.current_tables`): its name, the sharded table, the scheme it
-    moves to (None: to a replica) and that scheme's owner (table-wise)."""
+    moves to (None: to a replica)."""
 
     name: str
     table: Any
     to_scheme: Optional[str] = None
-    to_owner: Optional[int] = None
-
-    def needs(self, ids: torch.Tensor, n: int) -> torch.Tensor:
-        """``(len(ids), n)`` bool: which ranks hold each of ``ids`` at the new placement (a replica: all)."""
-        if self.to_scheme is None:
-            return torch.ones((ids.numel(), n), dtype=torch.bool, device=ids.device)
-        rows = self.table.num_embeddings
-        owners = ops.row_owners(ids, n, self.to_scheme, rows, range_size=ownership.range_size(rows, n),
-                                owner=self.to_owner)
-        return owners.unsqueeze(1) == torch.arange(n, device=ids.device)
-
-
-class _Pending(NamedTuple):
-    """The rows some rank's copy of a table holds stale: their ids (ascending) and, per id, whose copy."""
-
-    ids: torch.Tensor     # (k,) int64
-    stale: torch.Tensor   # (k, n) bool
-
-    def digest(self) -> Tuple[int, int]:
-        """What every rank must hold alike: the ids and the stale copies, counted."""
-        return int(self.ids.numel()), int(self.stale.sum())
-
-
-class _Route(NamedTuple):
-    """One table's rows of a refresh: the ids this rank sends each rank, the ids it receives from each (both in
-    rank order, ascending), and the rows all ranks send together."""
-
-    refresh: Refresh
-    changes: "_Changes"
-    send: List[torch.Tensor]
-    recv: List[torch.Tensor]
-    total: int
 
 
 class _Changes(NamedTuple):
@@ -175,32 +133,19 @@ def _whole_move(r: Refresh) -> float:
                for scheme in (table.scheme, r.to_scheme))
 
 
-def _batches(routes: List[_Route]) -> List[List[_Route]]:
+def _batches(sending: List[Tuple[Refresh, _Changes, List[int]]]) -> List[List[Tuple[Refresh, _Changes, List[int]]]]:
     """The tables in order, in batches whose rows from every rank together stay under :data:`_EXCHANGE_BYTES`
-    (a table over it alone): the bound on one exchange's buffers. From what every rank knows alike (the routes'
-    totals), so every rank makes the same batches."""
-    out: List[List[_Route]] = []
+    (a table over it alone): the bound on one exchange's buffers. From the gathered counts: the same on every rank."""
+    out: List[List[Tuple[Refresh, _Changes, List[int]]]] = []
     size = 0
-    for route in routes:
-        nbytes = route.total * sum(x.shape[1] * x.element_size() for x in route.changes.current)
+    for item in sending:
+        _, c, counts = item
+        nbytes = sum(counts) * (8 + sum(x.shape[1] * x.element_size() for x in c.current))
         if not out or size + nbytes > _EXCHANGE_BYTES:
             out.append([])
             size = 0
-        out[-1].append(route)
+        out[-1].append(item)
         size += nbytes
-    return out
-
-
-def _sources(ids: torch.Tensor, current: torch.Tensor, n: int) -> torch.Tensor:
-    """``(len(ids), n)``: for each row and each rank that may need it, the rank that sends it: one of the ranks whose
-    copy holds it current (``current``, at least its owner), taken in turn by row and destination so that a row
-    held current in several copies is not sent by one rank to all. The same on every rank."""
-    count = current.sum(1).clamp(min=1)
-    among = current.cumsum(1) - 1   # each holder's place among the row's holders
-    out = torch.empty((ids.numel(), n), dtype=torch.int64, device=ids.device)
-    for q in range(n):
-        pick = (ids + q) % count
-        out[:, q] = (current & (among == pick.unsqueeze(1))).to(torch.int8).argmax(1)
     return out
 
 
@@ -208,8 +153,7 @@ class StaleReplicas:
     """The stale copies of a model's sharded tables, by table name (module docstring); one per rank, used alike.
 
     Attributes:
-        rows_sent: rows this rank has sent to refresh copies (all moves together; a row sent to two ranks counts
-            twice).
+        rows_sent: rows this rank has sent to refresh copies (all moves together).
         rows_total: rows a whole-table move would have sent from this rank instead.
         rows_compared: rows compared bit by bit with the copy (where a shard's row log could not answer).
     """
@@ -217,7 +161,6 @@ class StaleReplicas:
     def __init__(self) -> None:
         self._tables: Dict[str, StaleTable] = {}
         self._logs: Dict[str, RowLog] = {}   # the row log of each copy's current shard (set by watch)
-        self._pending: Dict[str, _Pending] = {}   # rows some rank's copy holds stale (none: every copy current)
         self.rows_sent = 0
         self.rows_total = 0
         self.rows_compared = 0
@@ -243,18 +186,15 @@ class StaleReplicas:
         self._tables[name] = StaleTable(weight.detach().contiguous(),
                                         {n: s.detach().contiguous() for n, s in state.items()})
         self._logs.pop(name, None)
-        self._pending.pop(name, None)
 
     def drop(self, name: Optional[str] = None) -> None:
         """Forget ``name``'s copy (every copy: None)."""
         if name is None:
             self._tables.clear()
             self._logs.clear()
-            self._pending.clear()
         else:
             self._tables.pop(name, None)
             self._logs.pop(name, None)
-            self._pending.pop(name, None)
 
     def current_tables(self, tables: Sequence["Refresh"], optimizer: Any) -> List[Optional[StaleTable]]:
         """The whole current tables (weight and row state): each one's copy, patched with the rows that changed.
@@ -262,10 +202,9 @@ class StaleReplicas:
         Collective over the tables' group: every rank calls it for the same
         tables in the same order, those every rank holds a copy of (``replan``
         agrees on the copies first and drops the others). One all-gather of
-        every rank's count of changed rows of every table, one of their ids,
-        then one exchange of the rows for all tables (one per 64 MiB of rows).
-        Each rank's copy is current after it on the rows it holds at the new
-        placement (a replica: every row).
+        every rank's count of changed rows of every table, then one of those
+        rows, all tables in one exchange. Every rank holds the same whole
+        tables after it.
 
         Args:
             tables: what moves, each with the scheme it moves to (None: to a
@@ -278,8 +217,8 @@ class StaleReplicas:
         Returns:
             Per table, its copy, or None on every rank (the copy dropped, the caller moves
             the whole table) when some rank's copy does not fit its rows or
-            sending the changed rows to every rank would cost the busiest rank
-            more rows than the whole move.
+            sending the changed rows to every rank costs the busiest rank more
+            rows than the whole move would.
         """
         out: List[Optional[StaleTable]] = [None] * len(tables)
         for group in {id(r.table.group): r.table.group for r in tables}.values():   # one group in practice
@@ -290,17 +229,14 @@ class StaleReplicas:
 
     def _refresh(self, tables: Sequence["Refresh"], optimizer: Any, group: Any) -> List[Optional[StaleTable]]:
         """:meth:`current_tables` for tables of one group."""
-        me, n = world(group)
         changes = [self._changes(r, optimizer) for r in tables]
-        digests = [self._pending_of(r.name, n, c.owned.device).digest() for r, c in zip(tables, changes)]
-        everyone = all_gather_objects([(-1 if c.which is None else c.which.numel(), d)
-                                       for c, d in zip(changes, digests)], group)
+        everyone = all_gather_objects([-1 if c.which is None else c.which.numel() for c in changes], group)
         if any(len(theirs) != len(tables) for theirs in everyone):
             raise ValueError(f"sparsecomm stale replicas: the ranks refresh different numbers of tables "
                              f"({[len(theirs) for theirs in everyone]}): a bug or a version mismatch between ranks")
         sending: List[Tuple[Refresh, _Changes, List[int]]] = []
         for k, (r, c) in enumerate(zip(tables, changes)):
-            counts = [int(theirs[k][0]) for theirs in everyone]
+            counts = [int(theirs[k]) for theirs in everyone]
             if max(counts) > r.table.num_embeddings:
                 raise ValueError(f"sparsecomm stale replicas: a rank announced {max(counts)} changed rows of table "
                                  f"{r.name!r}, which has {r.table.num_embeddings}: a bug or a version mismatch "
@@ -308,85 +244,28 @@ class StaleReplicas:
             if min(counts) < 0 or _busiest(counts) > _whole_move(r):
                 self.drop(r.name)
                 continue
-            if len({tuple(theirs[k][1]) for theirs in everyone}) > 1:
-                raise ValueError(f"sparsecomm stale replicas: the ranks disagree on which copies of table {r.name!r} "
-                                 f"are stale ({[tuple(theirs[k][1]) for theirs in everyone]}): a bug or a version "
-                                 f"mismatch between ranks")
+            self.rows_sent += c.which.numel()
             self.rows_total += c.owned.numel()
             sending.append((r, c, counts))
-        if sending:
-            changed = allgather_ids([c.which if r.table.layout.spread else c.owned[c.which] for r, c, _ in sending],
-                                    [counts for _, _, counts in sending],
-                                    [r.table.num_embeddings for r, _, _ in sending], group)
-            routes = [self._route(r, c, counts, ids, me, n) for (r, c, counts), ids in zip(sending, changed)]
-            for batch in _batches(routes):   # one exchange unless the rows of all of them would make a large buffer
-                if any(route.total for route in batch):   # the same on every rank
-                    self._exchange(batch, group)
+        for batch in _batches(sending):   # one exchange unless the rows of all of them would make a large buffer
+            self._patch(batch, group)
         kept = {r.name for r, _, _ in sending}
         return [c.copy if r.name in kept else None for r, c in zip(tables, changes)]
 
-    def _pending_of(self, name: str, n: int, device: torch.device) -> _Pending:
-        pending = self._pending.get(name)
-        if pending is None or pending.stale.shape[1] != n:
-            pending = _Pending(torch.zeros(0, dtype=torch.int64, device=device),
-                               torch.zeros((0, n), dtype=torch.bool, device=device))
-        return pending
-
-    def _route(self, r: Refresh, c: "_Changes", counts: List[int], changed: torch.Tensor, me: int, n: int) -> _Route:
-        """Where table ``r``'s rows go (no communication; the same sets on every rank).
-
-        ``changed``: every rank's changed ids, in rank order. This rank's own
-        copy takes its own changed rows first (where its shard is not the
-        copy's memory). A row goes to every rank that holds it at the new
-        placement and whose copy has it stale, from a copy that holds it
-        current (its owner's at the placement the table leaves, or one that
-        received it at an earlier move: :func:`_sources` spreads the sending
-        over them); the rest stays pending for a later move.
-        """
-        table = r.table
-        start = sum(counts[:me])
-        if counts[me] and not same_memory(c.current[0], c.stale[0]):
-            mine = changed[start:start + counts[me]]
-            for cur, old in zip(c.current, c.stale):
-                old[mine.to(old.device)] = cur[c.which.to(cur.device)].to(old)
-        old = self._pending_of(r.name, n, changed.device)
-        ids, inverse = torch.unique(torch.cat([old.ids, changed]), return_inverse=True)
-        stale = torch.zeros((ids.numel(), n), dtype=torch.bool, device=ids.device)
-        stale[inverse[:old.ids.numel()]] = old.stale
-        fresh = inverse[old.ids.numel():]
-        if fresh.unique().numel() != fresh.numel():
-            raise ValueError("sparsecomm stale replicas: two ranks changed the same row: the shards overlap (a bug "
-                             "or a version mismatch between ranks)")
-        stale[fresh] = True   # changed: stale everywhere but at the rank that changed it
-        stale[fresh, torch.repeat_interleave(torch.arange(n, device=ids.device),
-                                             torch.tensor(counts, device=ids.device))] = False
-        owners = table.layout.owners(ids).to(ids.device)
-        stale[torch.arange(ids.numel(), device=ids.device), owners] = False   # an owner's copy holds its rows
-        # Two ranks: the rows the other rank lacks ride in the direction a move leaves idle (links are full
-        # duplex), so every stale row goes; from three on, only where the new placement needs it.
-        send = stale & r.needs(ids, n) if n > 2 else stale.clone()
-        source = _sources(ids, ~stale, n)
-        stale &= ~send
-        keep = stale.any(1)
-        self._pending[r.name] = _Pending(ids[keep], stale[keep])
-        route = _Route(r, c, [ids[send[:, q] & (source[:, q] == me)] for q in range(n)],
-                       [ids[send[:, me] & (source[:, me] == s)] for s in range(n)], int(send.sum()))
-        self.rows_sent += sum(x.numel() for x in route.send)
-        return route
-
     @staticmethod
-    def _exchange(routes: Sequence[_Route], group: Any) -> None:
-        """Send the routes' rows in one exchange (from the sender's copy, current at those rows) and patch the
-        copies with them."""
-        blocks = []
-        for route in routes:
-            ids = torch.cat(route.send)
-            blocks.append(torch.cat([x[ids.to(x.device)] for x in route.changes.stale], 1))
-        got = exchange_blocks(blocks, [[x.numel() for x in route.send] for route in routes],
-                              [[x.numel() for x in route.recv] for route in routes], group, None)
-        for route, rows in zip(routes, got):
-            ids, at = torch.cat(route.recv), 0
-            for target in route.changes.stale:
+    def _patch(sending: Sequence[Tuple[Refresh, "_Changes", List[int]]], group: Any) -> None:
+        """Send every rank's changed rows of these tables in one exchange; patch every copy with them."""
+        shards = [Shard(c.which if r.table.layout.spread else c.owned[c.which],   # a spread shard's slots are its ids
+                        torch.cat([x[c.which.to(x.device)] for x in c.current], 1), c.copy.weight.shape[0])
+                  for r, c, _ in sending]
+        got = allgather_shards(shards, [counts for _, _, counts in sending], group)
+        for (r, c, _), (ids, rows) in zip(sending, got):
+            ordered = torch.sort(ids).values   # sorting the rows sent, not counting into a table-sized array
+            if bool((ordered[1:] == ordered[:-1]).any()):
+                raise ValueError("sparsecomm stale replicas: two ranks sent the same row: the shards overlap (a bug "
+                                 "or a version mismatch between ranks)")
+            at = 0
+            for target in c.stale:
                 width = target.shape[1]
                 target[ids.to(target.device)] = rows[:, at:at + width].to(target)
                 at += width

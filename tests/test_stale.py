@@ -8,9 +8,7 @@ training; at the end they are equal bit for bit, and the stale moves sent
 fewer rows than whole tables. A row (and a row's optimizer state alone)
 edited behind the optimizer's back, as a checkpoint load would, travels too (the shard's row log sees the
 write through the tensor's version and gives way to the comparison), and ranks that do not all hold a copy
-move whole tables. A table-wise owner's shard is its copy's memory, and a hash shard spreads over it. A move
-sends a changed row only to the ranks that hold it at the new placement and lack it; the copies it leaves stale
-get it at the move that needs it (the chain's later moves, and the bits, check that).
+move whole tables. A table-wise owner's shard is its copy's memory, and a hash shard spreads over it.
 """
 
 from __future__ import annotations
@@ -122,97 +120,64 @@ def case_not_everyone(rank, world):
 
 
 def case_collectives_per_move(rank, world):
-    """A move of every table from its copy: one count all-gather, one of the changed ids and one row exchange for
-    all of them, and no collective per new table (replan agreed on the placements); with a bound on an exchange's
-    bytes below one table's rows, one row exchange a table. Training stays exact."""
-    assert collectives_of_moves(rank, world) == {"counts": 1, "ids": [3], "rows": [3], "tables": 0}
+    """A move of every table from its copy: one count all-gather and one row exchange for all of them, and no
+    collective per new table (replan agreed on the placements); with a bound on an exchange's bytes below one
+    table's rows, one exchange a table. Training stays exact."""
+    assert collectives_of_moves(rank, world) == {"counts": 1, "shards": [3], "tables": 0}
     bound = stale_module._EXCHANGE_BYTES
     stale_module._EXCHANGE_BYTES = 1
     try:
-        assert collectives_of_moves(rank, world) == {"counts": 1, "ids": [3], "rows": [1, 1, 1], "tables": 0}
+        assert collectives_of_moves(rank, world) == {"counts": 1, "shards": [1, 1, 1], "tables": 0}
     finally:
         stale_module._EXCHANGE_BYTES = bound
     return True
 
 
-def case_rows_go_where_needed(rank, world):
-    """To table-wise on rank 0, each changed row goes to rank 0 alone (from three ranks on; at two, also the other
-    way, in the direction the move leaves idle); back to a replica, every rank gets the rows its copy still lacks:
-    rank 0's changes from rank 0, a row another rank changed under hash from that rank or rank 0 in turn (both hold
-    it), and nothing else moves. Training stays exact."""
-    sent = {}
-    collectives_of_moves(rank, world, [R, H, FIRST, R], sent)
-    changed = sent["changed"]   # per move that refreshed: every rank's changed rows of each table
-    mine = sum(c[rank] for c in changed[0])
-    assert sent["rows"][0] == (0 if rank == 0 and world > 2 else mine), (rank, sent)
-    if rank == 0:
-        assert sent["rows"][1] > 0, sent
-    else:   # its own changes under hash, to the ranks other than rank 0, shared with rank 0
-        assert sent["rows"][1] <= mine * (world - 2), (rank, sent)
-    return True
-
-
-def collectives_of_moves(rank, world, chain=(R, H, FIRST), sent=None):
-    """The collectives of the moves of the three tables along ``chain`` (replicas to hash shards, then to
-    table-wise on rank 0, by default), training checked against single-process training after every step;
-    ``sent``: filled with the rows this rank sent at each refresh and the changed rows every rank announced."""
+def collectives_of_moves(rank, world):
+    """The collectives of two moves of the three tables (replicas to hash shards, then to table-wise on rank 0),
+    training checked against single-process training after every step."""
     from sparsecomm.sharded import table as table_module
 
-    calls = {"counts": 0, "ids": [], "rows": [], "tables": 0}
-    originals = (stale_module.all_gather_objects, stale_module.allgather_ids, stale_module.exchange_blocks,
-                 table_module.all_gather_objects)
-    changed = []
+    calls = {"counts": 0, "shards": [], "tables": 0}
+    originals = (stale_module.all_gather_objects, stale_module.allgather_shards, table_module.all_gather_objects)
 
     def counts(obj, group):
         calls["counts"] += 1
         return originals[0](obj, group)
 
-    def ids(items, per_table, rows, group):
-        calls["ids"].append(len(items))
-        changed.append([list(c) for c in per_table])
-        return originals[1](items, per_table, rows, group)
-
-    def rows(blocks, send, recv, group, stats):
-        calls["rows"].append(len(blocks))
-        return originals[2](blocks, send, recv, group, stats)
+    def shards(items, per_table, group):
+        calls["shards"].append(len(items))
+        return originals[1](items, per_table, group)
 
     def tables(obj, group):
         calls["tables"] += 1
-        return originals[3](obj, group)
+        return originals[2](obj, group)
 
     replicas, (cls, kw) = StaleReplicas(), rp.OPTIMIZERS["adagrad"]
     net = rp.Net(seed=3 if rank == 0 else 40 + rank)
-    places = {t: list(chain) for t in PLACES}
+    places = {t: [R, H, FIRST] for t in PLACES}
     model, opt = sparsecomm.parallelize(net, cls, plan=plan_for(sparsecomm.plan(net, small_table_bytes=0), places,
                                                                 0, world), **kw)
     ref, sched = rp.Reference("adagrad"), rp.scheduler("adagrad", opt)
-    per_move = []
-    for i in range(len(chain)):
+    for i in range(3):
         if i:
             opt.zero_grad()
             new_plan = plan_for(copy.deepcopy(rp.inner_of(model).sparsecomm_plan), places, i, world)
-            before = replicas.rows_sent
-            stale_module.all_gather_objects, stale_module.allgather_ids, stale_module.exchange_blocks = \
-                counts, ids, rows
+            stale_module.all_gather_objects, stale_module.allgather_shards = counts, shards
             table_module.all_gather_objects = tables
             try:
                 model, opt = sparsecomm.replan(model, opt, new_plan, stale=replicas)
             finally:
-                (stale_module.all_gather_objects, stale_module.allgather_ids, stale_module.exchange_blocks,
-                 table_module.all_gather_objects) = originals
-            if i > 1:
-                per_move.append(replicas.rows_sent - before)
+                stale_module.all_gather_objects, stale_module.allgather_shards, table_module.all_gather_objects = \
+                    originals
         rp.train_step(model, opt, sched, i, rank, world)
         ref.step(i)
         rp.assert_same(model, ref.model, f"collectives, world {world}, plan {i}")
-    if sent is not None:
-        sent.update(rows=per_move, changed=changed)
     return calls   # move 1 refreshes nothing (the shards are cut from the replicas); move 2 the three tables
 
 
 CASES = [(f"same-bits-{n}", case_same_bits, (n,)) for n in ("sgd", "adagrad", "adam")] + \
-        [("not-everyone", case_not_everyone, ()), ("collectives-per-move", case_collectives_per_move, ()),
-         ("rows-go-where-needed", case_rows_go_where_needed, ())]
+        [("not-everyone", case_not_everyone, ()), ("collectives-per-move", case_collectives_per_move, ())]
 spawned = spawned_fixture(CASES)
 
 

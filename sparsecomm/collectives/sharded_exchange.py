@@ -42,7 +42,7 @@ A ``group`` of None here means "no peers": everything stays local.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from sparsecomm.types import SparseSyncStats
 __all__ = [
     "TableRequest", "PooledRequest", "Routes", "Carry", "PendingRequest", "request_rows", "start_request",
     "finish_request", "next_capacity", "sharded_group", "pull_rows", "exchange_rows", "allgather_table_rows",
-    "allgather_ids",
+    "Shard", "allgather_shards",
 ]
 
 
@@ -159,23 +159,34 @@ def allgather_table_rows(ids: torch.Tensor, values: torch.Tensor, num_rows: int,
     return out_ids, out_values
 
 
-def allgather_ids(ids: Sequence[torch.Tensor], counts: Sequence[Sequence[int]], nums_rows: Sequence[int],
-                  group: Optional[dist.ProcessGroup]) -> List[torch.Tensor]:
-    """Every rank's ``ids[k]`` of table ``k`` (``nums_rows[k]`` rows) to every rank, all tables in one all-to-all.
+class Shard(NamedTuple):
+    """The rows of one table a rank shares (:func:`allgather_shards`): their ids, the rows, the table's row count."""
 
-    ``counts[k][r]``: how many rank ``r`` shares, which every rank already
-    holds alike. Returns per table every rank's ids, in rank order (int64).
+    ids: torch.Tensor
+    rows: torch.Tensor
+    num_rows: int
+
+
+def allgather_shards(shards: Sequence[Shard], counts: Sequence[Sequence[int]], group: Optional[dist.ProcessGroup]
+                     ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`allgather_table_rows` (``complete=False``) of several tables in one all-to-all.
+
+    ``counts[k][r]``: the rows rank ``r`` shares of table ``k``, which every
+    rank already holds alike (the caller exchanged them, and checked them
+    against the table's rows). Returns per table every rank's ``(ids, rows)``,
+    in rank order.
 
     Raises:
         ValueError: on every rank (all receive the same ids), when an id falls outside its table.
     """
-    if group is None or not ids:
-        return [i.to(torch.int64) for i in ids]
+    if group is None or not shards:
+        return [(s.ids, s.rows) for s in shards]
     n = world(group)[1]
-    blocks = [[Gathered(i, None, wire_index_dtype(v))] for i, v in zip(ids, nums_rows)]
-    got = exchange_tables(blocks, [[i.shape[0]] * n for i in ids], [list(c) for c in counts], [True] * len(ids),
-                          group, comm_device(group, ids[0].device))
-    return [_inside(kernel_ids(g).to(torch.int64), v).to(i.device) for i, v, (g,) in zip(ids, nums_rows, got)]
+    blocks = [[Gathered(s.ids, None, wire_index_dtype(s.num_rows)), s.rows.contiguous()] for s in shards]
+    got = exchange_tables(blocks, [[s.ids.shape[0]] * n for s in shards], [list(c) for c in counts],
+                          [True] * len(shards), group, comm_device(group, shards[0].rows.device))
+    return [(_inside(kernel_ids(ids).to(torch.int64), s.num_rows).to(s.ids.device), rows.to(s.rows.device))
+            for s, (ids, rows) in zip(shards, got)]
 
 
 def _inside(ids: torch.Tensor, num_rows: int) -> torch.Tensor:
