@@ -169,7 +169,8 @@ def encode_row(header: MetaHeader, tables: Sequence[TableMeta]) -> List[int]:
 
 def encode_message(row: Sequence[int], words: Optional[torch.Tensor], lengths: Sequence[int], n: int,
                    width: int) -> torch.Tensor:
-    """``(n, max(need, width))`` int64 on the CPU: the row for every peer, then the first of peer j's words.
+    """``(n, max(need, width))`` int64 on the CPU: the row for every peer, then the first ``capacity`` of peer j's
+    words.
 
     ``words`` holds every peer's int64 words (ids, then pooled extras) back to
     back, peer 0's first, ``lengths[j]`` of them peer j's; only the first
