@@ -12,19 +12,19 @@ owners check the ids they received. The result is the round's
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from sparsecomm import ops
 from sparsecomm.collectives.exchange import (all_to_all, all_to_all_rows, count_bytes, exchange_direct,
                                             wire_index_dtype, wire_row_bytes)
 from sparsecomm.collectives.groups import comm_device
 from sparsecomm.collectives.objects import world
 from sparsecomm.collectives.sharded_wire import (META_HEAD, Announced, InputStatus, MetaHeader, PooledPart, TableMeta,
-                                                 check_widths, decode_headers, decode_pooled, decode_tables,
+                                                 check_widths, copy_words, decode_headers, decode_pooled, decode_tables,
                                                  encode_message, encode_row, ids_problem, padded_words,
                                                  pooled_problem, pooled_words, row_width, table_count_mismatch,
                                                  validate, widen)
@@ -407,18 +407,11 @@ def _split(p: PendingRequest, a: Announced, s: _Sizes, got: torch.Tensor) -> Rou
         for t in range(count):
             starts[t][src] = at
             at += s.recv_words[t][src]
-    got = got.contiguous()
-    raw = got.view(torch.uint8)
     requested, pooled_parts, problem = [], [], None
     for t, r in enumerate(p.requests):
         ids_t = got.new_empty(sum(s.recv[t]))   # every source's ids for table t, in source order: one copy
-        segments, at = [], 0
-        for src, ids in enumerate(s.recv[t]):
-            if ids:
-                segments.append((at, ids, 8 * starts[t][src]))
-            at += ids
-        if segments:
-            ops.unpack_rows(ids_t, raw, segments)
+        copy_words(ids_t, got, [(to, at, ids) for to, at, ids in
+                                zip(itertools.accumulate(s.recv[t], initial=0), starts[t], s.recv[t])])
         parts_t = []
         for src in range(n):
             part = None

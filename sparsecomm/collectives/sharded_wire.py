@@ -47,6 +47,7 @@ every count before anything is sized from it, and :func:`ids_problem` /
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -55,7 +56,7 @@ import torch
 from sparsecomm import ops
 from sparsecomm.types import WireStatus
 
-__all__ = ["FINGERPRINT_LEN", "MAX_OCCURRENCES", "META_HEAD", "MAX_WIDTH", "InputStatus", "MetaHeader",
+__all__ = ["FINGERPRINT_LEN", "MAX_OCCURRENCES", "META_HEAD", "MAX_WIDTH", "InputStatus", "MetaHeader", "copy_words",
            "TableMeta", "Announced", "PooledPart", "table_width", "row_width", "encode_row", "encode_message",
            "widen", "decode_headers", "check_widths", "table_count_mismatch", "decode_tables", "padded_words",
            "validate", "ids_problem", "pooled_problem", "pack_words", "words_for", "pooled_words", "encode_pooled",
@@ -180,14 +181,10 @@ def encode_message(row: Sequence[int], words: Optional[torch.Tensor], lengths: S
     head, capacity, need = len(row), row[3], row[5]
     full = torch.zeros(n, max(need, width), dtype=torch.int64)
     full[:, :head] = torch.tensor(row, dtype=torch.int64)
-    if capacity and words is not None:
-        segments, at = [], 0
-        for j, count in enumerate(lengths):
-            if count:   # one copy for every peer: behind peer j's row, from word ``at``
-                segments.append((j * full.shape[1] + head, min(count, capacity), 8 * at))
-            at += count
-        if segments:
-            ops.unpack_rows(full.view(-1), words.cpu().contiguous().view(torch.uint8), segments)
+    if capacity and words is not None:   # behind peer j's row, from where its words start
+        starts = itertools.accumulate(lengths, initial=0)
+        copy_words(full.view(-1), words.cpu(), [(j * full.shape[1] + head, start, min(count, capacity))
+                                                for j, (start, count) in enumerate(zip(starts, lengths))])
     return full
 
 
@@ -240,14 +237,17 @@ def padded_words(received: torch.Tensor, num_tables: int, words: Sequence[int]) 
     """The words each source rank padded behind its row for this rank (``words[r]`` of rank r), concatenated."""
     head, stride = row_width(num_tables, received.shape[0]), received.shape[1]
     out = received.new_empty(sum(words))
-    segments, at = [], 0
-    for r, count in enumerate(words):
-        if count:
-            segments.append((at, count, 8 * (r * stride + head)))
-        at += count
-    if segments:
-        ops.unpack_rows(out, received.contiguous().view(-1).view(torch.uint8), segments)
+    copy_words(out, received, [(start, r * stride + head, count) for r, (start, count)
+                               in enumerate(zip(itertools.accumulate(words, initial=0), words))])
     return out
+
+
+def copy_words(out: torch.Tensor, words: torch.Tensor, pieces: Sequence[Tuple[int, int, int]]) -> None:
+    """Copy int64 words in one call: each ``(to, at, count)`` piece copies ``count`` words of ``words`` (flat)
+    from word ``at`` to ``out[to:to + count]`` (``out``: 1-D int64); empty pieces are left out."""
+    segments = [(to, count, 8 * at) for to, at, count in pieces if count]
+    if segments:
+        ops.unpack_rows(out, words.contiguous().view(-1).view(torch.uint8), segments)
 
 
 def _describe_status(rank: int, status: int, detail: int, num_rows: Optional[int]) -> str:
