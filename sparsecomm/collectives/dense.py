@@ -7,6 +7,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from sparsecomm.collectives.futures import then
+
 __all__ = ["COMPRESSION_DTYPES", "all_finite", "allreduce_mean_async", "ring_allreduce_bytes", "max_over_ranks",
            "broadcast_"]
 
@@ -51,7 +53,7 @@ def allreduce_mean_async(buffer: torch.Tensor, group: Optional[dist.ProcessGroup
     if wire is None or wire == buffer.dtype:
         buffer.div_(n)
         fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
+        return then(fut, lambda f: f.value()[0])
     # Divide in full precision first: a value in (65504, 65504 N) fits fp16 only after the divide.
     packed = buffer.div_(n).to(wire)
     fut = dist.all_reduce(packed, group=group, async_op=True).get_future()
@@ -60,7 +62,7 @@ def allreduce_mean_async(buffer: torch.Tensor, group: Optional[dist.ProcessGroup
         buffer.copy_(f.value()[0])
         return buffer
 
-    return fut.then(unpack)
+    return then(fut, unpack)
 
 
 def max_over_ranks(values: Sequence[float], group: Optional[dist.ProcessGroup], device: torch.device) -> List[float]:

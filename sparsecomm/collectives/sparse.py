@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from sparsecomm.collectives import methods
 from sparsecomm.collectives.fused import fused_exchange
+from sparsecomm.collectives.futures import then
 from sparsecomm.collectives.groups import node_groups, run_async, twin_group
 from sparsecomm.collectives.methods.base import SyncPath
 from sparsecomm.collectives.sync_plan import SyncOptions, SyncPlan, TensorRows, prepare, unlinear
@@ -143,7 +144,7 @@ def sparse_allreduce(tensor: torch.Tensor, group: Optional[dist.ProcessGroup] = 
                                      method=method, nonfinite=nonfinite, stats=None if stats is None else [stats],
                                      compression=compression)
     if async_op:
-        return out.then(lambda f: f.value()[0])
+        return then(out, lambda f: f.value()[0])
     return out[0]
 
 

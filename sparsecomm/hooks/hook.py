@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from sparsecomm.collectives.dense import COMPRESSION_DTYPES, all_finite, allreduce_mean_async, ring_allreduce_bytes
+from sparsecomm.collectives.futures import then
 from sparsecomm.collectives.groups import run_async
 from sparsecomm.collectives.sparse import sparse_allreduce_coalesced
 from sparsecomm.collectives.step_order import SYNC, after_backward, at_backward_end, current_backward, in_graph
@@ -279,7 +280,7 @@ def _then(state: SparseCommState, fut: torch.futures.Future, params: Sequence[to
             state.step.fail(exc, params)
             return buffer
 
-    return fut.then(guarded)
+    return then(fut, guarded)
 
 
 def _dense_with_rows(state: SparseCommState, bucket: dist.GradBucket, buffer: torch.Tensor,
