@@ -13,31 +13,38 @@ run of three of a four-rank training script over gloo on two cores; torch
 has no fix (an atexit ``destroy_process_group`` was proposed upstream and
 withdrawn: groups the library or DDP still hold live on).
 
+The same holds for a Python thread of the library's (the worker of
+:func:`~sparsecomm.collectives.groups.run_async`) completing a future: torch
+releases the GIL inside ``set_result`` to wake the waiter, and takes it
+back after; a job's collectives release it too.
+
 Every callback the library chains goes through :func:`then`, which counts
-the callbacks that have been called and not yet let go. An exit handler
-(registered when this module is imported) waits, with the GIL released,
-until that count is zero or :data:`DRAIN_SECONDS` have passed. Callbacks
-whose future never completes are not waited for: they are let go with
-their group, not at a step's end.
+the callbacks that have been called and not yet let go, and the worker
+counts each job from its start until its future is complete
+(:func:`working`). An exit handler (registered when this module is
+imported) waits, with the GIL released, until nothing is counted or
+:data:`DRAIN_SECONDS` have passed. Callbacks whose future never completes
+are not waited for: they are let go with their group, not at a step's end.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
-__all__ = ["then", "callbacks_in_flight", "drain", "DRAIN_SECONDS"]
+__all__ = ["then", "working", "unfinished", "drain", "DRAIN_SECONDS"]
 
-#: The most an exiting process waits for called callbacks to be let go.
+#: The most an exiting process waits for called callbacks to be let go and jobs to complete their futures.
 DRAIN_SECONDS = 5.0
 
 T = TypeVar("T")
 _lock = threading.Lock()
-_called_not_released = 0
+_unfinished = 0   # callbacks called and not let go, plus jobs under way
 
 
 class _Callback:
@@ -51,18 +58,22 @@ class _Callback:
         self.called = False
 
     def __call__(self, fut: torch.futures.Future) -> T:
-        global _called_not_released
         with _lock:
-            if not self.called:
-                self.called = True
-                _called_not_released += 1
+            first = not self.called
+            self.called = True
+        if first:
+            _count(1)
         return self.fn(fut)
 
     def __del__(self) -> None:
-        global _called_not_released
         if self.called:
-            with _lock:
-                _called_not_released -= 1
+            _count(-1)
+
+
+def _count(delta: int) -> None:
+    global _unfinished
+    with _lock:
+        _unfinished += delta
 
 
 def then(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], T]) -> torch.futures.Future:
@@ -70,17 +81,27 @@ def then(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], T]) -> 
     return fut.then(_Callback(fn))
 
 
-def callbacks_in_flight() -> int:
-    """How many callbacks chained by :func:`then` have been called and not yet let go."""
+@contextlib.contextmanager
+def working() -> Iterator[None]:
+    """Count a library thread's job, from its start until its future is complete, for the exit to wait for."""
+    _count(1)
+    try:
+        yield
+    finally:
+        _count(-1)
+
+
+def unfinished() -> int:
+    """How many callbacks chained by :func:`then` have been called and not yet let go, plus jobs under way."""
     with _lock:
-        return _called_not_released
+        return _unfinished
 
 
 def drain(timeout: float = DRAIN_SECONDS) -> bool:
-    """Wait, with the GIL released, until every called callback has been let go (at most ``timeout``
-    seconds). Returns whether none is left."""
+    """Wait, with the GIL released, until every called callback has been let go and every job has completed
+    its future (at most ``timeout`` seconds). Returns whether nothing is left."""
     deadline = time.monotonic() + timeout
-    while callbacks_in_flight():
+    while unfinished():
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.001)

@@ -15,6 +15,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from sparsecomm.collectives.futures import working
+
 __all__ = ["group_key", "group_ranks", "group_timeout", "comm_device", "node_groups", "twin_group",
            "run_async", "forget"]
 
@@ -142,7 +144,10 @@ class _Runner:
 
     def _loop(self) -> None:
         while True:
-            self._run(*self._jobs.get())   # a job's closure and result go when _run returns, not at the next job
+            job = self._jobs.get()
+            with working():   # the exit waits for the job and its future's waking (sparsecomm.collectives.futures)
+                self._run(*job)
+            del job   # its closure and result go now, not at the next job
 
     @staticmethod
     def _run(job: Callable[[], object], fut: torch.futures.Future, stream) -> None:
