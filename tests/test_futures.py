@@ -10,47 +10,66 @@ import pytest
 import torch
 
 from sparsecomm.collectives import futures
+from sparsecomm.collectives.groups import run_async
 
 from distributed import launcher_free_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "exit_after_allreduce.py"
 
 
-def test_then_chains_values_and_lets_its_callbacks_go():
-    fut = torch.futures.Future()
-    out = futures.then(futures.then(fut, lambda f: f.value() + 1), lambda f: f.value() * 10)
-    assert futures.unfinished() == 0       # nothing called yet
-    thread = threading.Thread(target=fut.set_result, args=(4,))  # completed off the main thread, like gloo's
-    thread.start()
-    thread.join()
-    assert out.wait() == 50
+@pytest.fixture(autouse=True)
+def nothing_left_counted():
+    assert futures.drain(timeout=5.0)   # what earlier tests in this process started has finished
+    yield
     assert futures.drain(timeout=5.0)
     assert futures.unfinished() == 0
 
 
-def test_drain_waits_for_a_called_callback_not_yet_let_go():
+def test_then_counts_a_callback_from_its_call_until_it_is_let_go():
+    fut = torch.futures.Future()
     seen = []
-    callback = futures._Callback(lambda f: seen.append(f) or 7)
-    assert callback("fut") == 7 and seen == ["fut"]
-    assert futures.unfinished() == 1
-    assert futures.drain(timeout=0.05) is False     # still held: the exit would wait for it
-    del callback                                    # let go: the count returns to zero
+
+    def first(f):
+        seen.append(futures.unfinished())   # counted while it runs
+        return f.value() + 1
+
+    out = futures.then(futures.then(fut, first), lambda f: f.value() * 10)
+    assert futures.unfinished() == 0         # nothing called yet
+    thread = threading.Thread(target=fut.set_result, args=(4,))  # completed off the main thread, like gloo's
+    thread.start()
+    thread.join()
+    assert out.wait() == 50
+    assert seen == [1]
+    assert futures.unfinished() == 0         # both let go once the thread finished
+
+
+def test_drain_waits_for_a_called_callback_not_yet_let_go():
+    callback = futures._Callback(lambda f: 7)
+    try:
+        assert callback("fut") == 7
+        assert futures.unfinished() == 1
+        assert futures.drain(timeout=0.05) is False   # still held: the exit would wait for it
+    finally:
+        del callback                                  # let go: the count returns to zero
     assert futures.unfinished() == 0
-    assert futures.drain(timeout=0.05) is True
+    start = time.monotonic()
+    assert futures.drain(timeout=1.0) is True
+    assert time.monotonic() - start >= futures.GRACE_SECONDS * 0.9   # and waits the grace after the last change
 
 
-def test_drain_waits_for_a_worker_job_until_its_future_is_complete():
-    from sparsecomm.collectives.groups import run_async
+def test_a_worker_job_counts_from_its_submission_until_its_future_is_complete():
     go = threading.Event()
-    fut = run_async(lambda: go.wait(5.0) and 3, group=object())   # a group of its own: a worker of its own
-    deadline = time.monotonic() + 5.0
-    while not futures.unfinished() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert futures.unfinished() == 1                # the job is under way
+    group = object()                                  # a group of its own: a worker of its own
+    first = run_async(lambda: go.wait(5.0) and 3, group=group)
+    second = run_async(lambda: 4, group=group)        # queued behind the first: counted already
+    counts = []
+    second.add_done_callback(lambda f: counts.append(futures.unfinished()))   # runs inside set_result
+    assert futures.unfinished() == 2
     assert futures.drain(timeout=0.05) is False
     go.set()
-    assert fut.wait() == 3
-    assert futures.drain(timeout=5.0) is True       # done once the worker has completed the future
+    assert first.wait() == 3 and second.wait() == 4
+    assert futures.drain(timeout=5.0) is True
+    assert counts == [1]                              # set_result of the second still counted
 
 
 def test_an_error_in_a_callback_still_lets_it_go():
@@ -63,7 +82,7 @@ def test_an_error_in_a_callback_still_lets_it_go():
     fut.set_result(1)
     with pytest.raises(RuntimeError, match="bad bucket"):
         out.wait()
-    assert futures.drain(timeout=5.0)
+    assert futures.unfinished() == 0
 
 
 @pytest.mark.slow

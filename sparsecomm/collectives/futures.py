@@ -20,31 +20,38 @@ back after; a job's collectives release it too.
 
 Every callback the library chains goes through :func:`then`, which counts
 the callbacks that have been called and not yet let go, and the worker
-counts each job from its start until its future is complete
-(:func:`working`). An exit handler (registered when this module is
-imported) waits, with the GIL released, until nothing is counted or
-:data:`DRAIN_SECONDS` have passed. Callbacks whose future never completes
-are not waited for: they are let go with their group, not at a step's end.
+counts each job from its submission until its future is complete
+(:func:`job_counted`). An exit handler (registered when this module is
+imported) waits, with the GIL released, until nothing is counted and
+nothing has been for :data:`GRACE_SECONDS`, or :data:`DRAIN_SECONDS` have
+passed. The grace covers what Python cannot count: torch lets a callback
+go just before the future it completes (whose value, a Python object, takes
+the GIL once more when that future is the last of its chain). A process
+that never counted anything exits at once. Callbacks whose future never
+completes are not waited for: they are let go with their group, not at a
+step's end.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import threading
 import time
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["then", "working", "unfinished", "drain", "DRAIN_SECONDS"]
+__all__ = ["then", "job_counted", "unfinished", "drain", "DRAIN_SECONDS", "GRACE_SECONDS"]
 
 #: The most an exiting process waits for called callbacks to be let go and jobs to complete their futures.
 DRAIN_SECONDS = 5.0
+#: How long nothing must have been counted before the exit goes on.
+GRACE_SECONDS = 0.05
 
 T = TypeVar("T")
 _lock = threading.Lock()
-_unfinished = 0   # callbacks called and not let go, plus jobs under way
+_unfinished = 0   # callbacks called and not let go, plus jobs submitted and not done
+_last_change = None   # time.monotonic() of the last change of the count (None: never counted)
 
 
 class _Callback:
@@ -71,9 +78,10 @@ class _Callback:
 
 
 def _count(delta: int) -> None:
-    global _unfinished
+    global _unfinished, _last_change
     with _lock:
         _unfinished += delta
+        _last_change = time.monotonic()
 
 
 def then(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], T]) -> torch.futures.Future:
@@ -81,31 +89,41 @@ def then(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], T]) -> 
     return fut.then(_Callback(fn))
 
 
-@contextlib.contextmanager
-def working() -> Iterator[None]:
-    """Count a library thread's job, from its start until its future is complete, for the exit to wait for."""
+def job_counted() -> Callable[[], None]:
+    """Count a job of a library thread from now (its submission) until the returned function is called (once
+    its future is complete), for the exit to wait for. Calling it again does nothing."""
     _count(1)
-    try:
-        yield
-    finally:
-        _count(-1)
+    done = [False]
+
+    def finished() -> None:
+        if not done[0]:
+            done[0] = True
+            _count(-1)
+
+    return finished
 
 
 def unfinished() -> int:
-    """How many callbacks chained by :func:`then` have been called and not yet let go, plus jobs under way."""
+    """How many callbacks chained by :func:`then` have been called and not yet let go, plus jobs submitted and
+    not done."""
     with _lock:
         return _unfinished
 
 
 def drain(timeout: float = DRAIN_SECONDS) -> bool:
-    """Wait, with the GIL released, until every called callback has been let go and every job has completed
-    its future (at most ``timeout`` seconds). Returns whether nothing is left."""
+    """Wait, with the GIL released, until nothing is counted (callbacks called and not let go, jobs not done) and
+    nothing has been for :data:`GRACE_SECONDS`; at most ``timeout`` seconds. Returns whether nothing is left.
+    At once when nothing was ever counted."""
     deadline = time.monotonic() + timeout
-    while unfinished():
-        if time.monotonic() >= deadline:
-            return False
+    while True:
+        with _lock:
+            left, last = _unfinished, _last_change
+        now = time.monotonic()
+        if last is None or (not left and now - last >= GRACE_SECONDS):
+            return True
+        if now >= deadline:
+            return not left
         time.sleep(0.001)
-    return True
 
 
 atexit.register(drain)

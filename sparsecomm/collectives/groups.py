@@ -10,12 +10,12 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.futures import working
+from sparsecomm.collectives.futures import job_counted
 
 __all__ = ["group_key", "group_ranks", "group_timeout", "comm_device", "node_groups", "twin_group",
            "run_async", "forget"]
@@ -138,16 +138,19 @@ class _Runner:
     """
 
     def __init__(self) -> None:
-        self._jobs: "queue.Queue[Tuple[Callable[[], object], torch.futures.Future]]" = queue.Queue()
+        self._jobs: "queue.Queue[Tuple[Callable[[], object], torch.futures.Future, Any, Callable[[], None]]]" = \
+            queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="sparsecomm-async", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
-            with working():   # the exit waits for the job and its future's waking (sparsecomm.collectives.futures)
-                self._run(*job)
-            del job   # its closure and result go now, not at the next job
+            job, fut, stream, finished = self._jobs.get()
+            try:
+                self._run(job, fut, stream)
+            finally:
+                del job, fut   # its closure and result go now, not at the next job
+                finished()     # counted since submit: the exit waits for it (sparsecomm.collectives.futures)
 
     @staticmethod
     def _run(job: Callable[[], object], fut: torch.futures.Future, stream) -> None:
@@ -167,7 +170,7 @@ class _Runner:
 
     def submit(self, job: Callable[[], object], stream) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self._jobs.put((job, fut, stream))
+        self._jobs.put((job, fut, stream, job_counted()))
         return fut
 
 

@@ -241,6 +241,8 @@ def _flush(state: SparseCommState, wait: bool = False) -> None:
             else:
                 it.future.set_result(value)
 
+    # Not through futures.then: ``fut`` completes on the hook group's worker (its job, counted until the
+    # future is complete: sparsecomm.collectives.futures) or is complete already (deliver runs here).
     fut.add_done_callback(deliver)
     if wait:
         torch.futures.wait_all([it.future for it in items])
