@@ -85,6 +85,27 @@ def test_an_error_in_a_callback_still_lets_it_go():
     assert futures.unfinished() == 0
 
 
+def _child_count(out):
+    out.put(futures.unfinished())
+
+
+def test_a_forked_child_starts_with_nothing_counted():
+    import multiprocessing as mp
+    callback = futures._Callback(lambda f: None)
+    try:
+        callback("fut")
+        assert futures.unfinished() == 1
+        ctx = mp.get_context("fork")
+        out = ctx.Queue()
+        child = ctx.Process(target=_child_count, args=(out,))
+        child.start()
+        got = out.get(timeout=60)
+        child.join(60)
+        assert got == 0 and child.exitcode == 0
+    finally:
+        del callback
+
+
 @pytest.mark.slow
 def test_a_script_ending_right_after_an_allreduce_exits_0():
     """Without the drain, about four runs in ten of this script aborted at exit (SIGABRT) on this machine."""

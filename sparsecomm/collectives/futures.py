@@ -29,12 +29,14 @@ go just before the future it completes (whose value, a Python object, takes
 the GIL once more when that future is the last of its chain). A process
 that never counted anything exits at once. Callbacks whose future never
 completes are not waited for: they are let go with their group, not at a
-step's end.
+step's end. A forked child starts with nothing counted (none of the
+parent's threads or callbacks are its).
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 from typing import Callable, TypeVar
@@ -126,4 +128,12 @@ def drain(timeout: float = DRAIN_SECONDS) -> bool:
         time.sleep(0.001)
 
 
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads or pending callbacks: nothing of the count is its."""
+    global _lock, _unfinished, _last_change
+    _lock = threading.Lock()
+    _unfinished, _last_change = 0, None
+
+
 atexit.register(drain)
+os.register_at_fork(after_in_child=_forget_in_child)
