@@ -67,10 +67,8 @@ class _Callback:
         self.called = False
 
     def __call__(self, fut: torch.futures.Future) -> T:
-        with _lock:
-            first = not self.called
+        if not self.called:   # torch calls a callback once; counted from then on
             self.called = True
-        if first:
             _count(1)
         return self.fn(fut)
 
@@ -93,16 +91,9 @@ def then(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], T]) -> 
 
 def job_counted() -> Callable[[], None]:
     """Count a job of a library thread from now (its submission) until the returned function is called (once
-    its future is complete), for the exit to wait for. Calling it again does nothing."""
+    its future is complete), for the exit to wait for. Call it once."""
     _count(1)
-    done = [False]
-
-    def finished() -> None:
-        if not done[0]:
-            done[0] = True
-            _count(-1)
-
-    return finished
+    return lambda: _count(-1)
 
 
 def unfinished() -> int:
