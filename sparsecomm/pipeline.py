@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from sparsecomm.collectives.futures import keep
 from sparsecomm.collectives.groups import comm_device
 from sparsecomm.sharded.model import sharded_modules
 from sparsecomm.sharded.pending import Prefetched
@@ -174,7 +175,7 @@ class Pipeline:
             # different lengths, under Join): agreed while the forward runs, so all prefetch or none does.
             ok = self._next is not _END and tree_flatten(self._next)[1] == tree_flatten(self._current)[1]
             flag = torch.tensor([int(ok)], device=comm_device(group, tables[0].local_weight.device))
-            self._agreement = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True))
+            self._agreement = (flag, keep(dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True), group))
 
     def _table_called(self, table: ShardedTable, args: tuple, kwargs: dict) -> Optional[Tuple[tuple, dict]]:
         nth = self._seen.get(id(table), 0)

@@ -5,19 +5,19 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from sparsecomm.collectives import groups
+from sparsecomm.collectives.futures import wait_kept
 from sparsecomm.collectives.launchers import detect_launcher, free_port
 from sparsecomm.types import Topology, optional_int
 
 __all__ = ["detect_launcher", "init_distributed", "shutdown", "topology"]
 
 _topology: Optional[Topology] = None
-_last_works: List[dist.Work] = []   # shutdown's barriers, held until the interpreter exits (see shutdown)
 
 
 def _my_address(single_node: bool) -> str:
@@ -120,20 +120,19 @@ def shutdown() -> None:
     collective is still in flight (the barrier), and a cached group would keep
     gloo's threads alive into interpreter shutdown (the forget).
 
-    The barrier's work is kept until the interpreter exits. gloo's worker
-    thread drops its reference to a work just after ``wait()`` returns; were
-    that the last one, the work's destructor would need the GIL on that
-    thread, while the main thread, holding the GIL, may already be joining
-    that thread in the group's destructor (when the last owner of the group,
-    such as DDP's reducer, is freed as the script ends): a deadlock at exit.
-    Holding the work makes the main thread its last owner.
+    The barrier's work is kept (:func:`~sparsecomm.collectives.futures.keep`:
+    no later collective of the group lets it go, so until the interpreter
+    exits). gloo's worker thread drops its reference to a work just after
+    ``wait()`` returns; were that the last one, the work's destructor would
+    need the GIL on that thread, while the main thread, holding the GIL, may
+    already be joining that thread in the group's destructor (when the last
+    owner of the group, such as DDP's reducer, is freed as the script ends):
+    a deadlock at exit. Kept, the work's last owner is the main thread.
     """
     global _topology
     if dist.is_initialized():
         try:
-            work = dist.barrier(async_op=True)
-            _last_works.append(work)
-            work.wait()
+            wait_kept(dist.barrier(async_op=True), None)
         finally:
             dist.destroy_process_group()
             groups.forget()

@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.futures import then
+from sparsecomm.collectives.futures import keep, then, wait_kept
 
 __all__ = ["COMPRESSION_DTYPES", "all_finite", "allreduce_mean_async", "ring_allreduce_bytes", "max_over_ranks",
            "broadcast_"]
@@ -52,11 +52,11 @@ def allreduce_mean_async(buffer: torch.Tensor, group: Optional[dist.ProcessGroup
     wire = COMPRESSION_DTYPES[compression]
     if wire is None or wire == buffer.dtype:
         buffer.div_(n)
-        fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+        fut = keep(dist.all_reduce(buffer, group=group, async_op=True), group).get_future()
         return then(fut, lambda f: f.value()[0])
     # Divide in full precision first: a value in (65504, 65504 N) fits fp16 only after the divide.
     packed = buffer.div_(n).to(wire)
-    fut = dist.all_reduce(packed, group=group, async_op=True).get_future()
+    fut = keep(dist.all_reduce(packed, group=group, async_op=True), group).get_future()
 
     def unpack(f: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(f.value()[0])
@@ -73,11 +73,11 @@ def max_over_ranks(values: Sequence[float], group: Optional[dist.ProcessGroup], 
     (the slowest rank's time) is built from.
     """
     out = torch.tensor(list(values), dtype=torch.float64, device=device)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    wait_kept(dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group, async_op=True), group)
     return out.tolist()
 
 
 def broadcast_(tensor: torch.Tensor, src: int, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Overwrite ``tensor`` on every rank with rank ``src``'s (``src`` is a global rank, as in ``dist.broadcast``)."""
-    dist.broadcast(tensor, src, group=group)
+    wait_kept(dist.broadcast(tensor, src, group=group, async_op=True), group)
     return tensor

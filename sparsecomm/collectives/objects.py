@@ -15,6 +15,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from sparsecomm.collectives.futures import wait_kept
 from sparsecomm.collectives.launchers import detect_launcher
 
 __all__ = ["world", "all_gather_objects", "barrier", "agree", "broadcast_int", "INLINE_BYTES"]
@@ -67,7 +68,7 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any
     if len(data) <= INLINE_BYTES:
         first[8:8 + len(data)] = payload
     got = [torch.empty_like(first) for _ in range(n)]
-    dist.all_gather(got, first, group=group)
+    wait_kept(dist.all_gather(got, first, group=group, async_op=True), group)
     sizes = [int(g[:8].view(torch.int64)) for g in got]
     bad = next((r for r, size in enumerate(sizes) if not 0 <= size <= _MAX_BYTES), None)
     if bad is not None:   # every rank sees the same sizes: every rank raises
@@ -77,7 +78,7 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup]) -> List[Any
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
         padded[:len(data)] = payload
         got = [torch.empty_like(padded) for _ in range(n)]
-        dist.all_gather(got, padded, group=group)
+        wait_kept(dist.all_gather(got, padded, group=group, async_op=True), group)
     else:
         got = [g[8:] for g in got]
     return [pickle.loads(g[:size].numpy().tobytes()) for g, size in zip(got, sizes)]

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from sparsecomm import ops
 from sparsecomm.collectives import shm
+from sparsecomm.collectives.futures import wait_kept
 from sparsecomm.collectives.groups import comm_device
 from sparsecomm.collectives.transport import all_to_all
 from sparsecomm.cost_model import host_layout
@@ -109,7 +110,7 @@ def _time_allreduce(group, dev, repeats: int) -> float:
     times = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        dist.all_reduce(x, group=group)
+        wait_kept(dist.all_reduce(x, group=group, async_op=True), group)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         if i:
@@ -188,7 +189,7 @@ def measure_link(group: Optional[dist.ProcessGroup], device: torch.device = torc
     backend = _time_allreduce(group, dev, 3 * repeats) if split else 0.0
     merge = _time_merge(dev, 3 * repeats)   # where the received rows are summed
     numbers = torch.tensor([tiny, large, pair, backend, merge], dtype=torch.float64, device=dev)
-    dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group)
+    wait_kept(dist.all_reduce(numbers, op=dist.ReduceOp.MAX, group=group, async_op=True), group)
     tiny, large, pair, backend, merge = numbers.tolist()
     link = alltoall_host_link_bytes(n, lws, n * max(1, large_bytes // n))
     bytes_per_s = min(_MAX_BYTES_PER_S, link / max(large - tiny, link / _MAX_BYTES_PER_S))

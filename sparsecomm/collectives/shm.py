@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm.collectives.groups import group_key, group_timeout
+from sparsecomm.collectives.objects import all_gather_objects
 
 __all__ = ["ENV_VAR", "Transport", "transport", "run", "run_segments", "active"]
 
@@ -107,8 +108,8 @@ def transport(group: Optional[dist.ProcessGroup]) -> Optional[Transport]:
     if n == 1:
         return None
     wanted = os.environ.get(ENV_VAR, "1") != "0" and sys.platform.startswith("linux")
-    infos: List[object] = [None] * n
-    dist.all_gather_object(infos, (wanted, _host_id()), group=group)
+    peers = group if group is not None else dist.group.WORLD   # all_gather_objects reads None as "no peers"
+    infos = all_gather_objects((wanted, _host_id()), peers)
     if not all(w for w, _ in infos) or len({h for _, h in infos}) != 1:
         return None
     slot = slot_bytes(n)
@@ -122,9 +123,7 @@ def transport(group: Optional[dist.ProcessGroup]) -> Optional[Transport]:
             if os.path.exists(path):
                 os.unlink(path)   # created, then could not be reserved or mapped
             path = None
-    paths: List[object] = [None] * n
-    dist.all_gather_object(paths, path, group=group)
-    path = paths[0]
+    path = all_gather_objects(path, peers)[0]
     if path is not None and me != 0:
         try:
             made = _make(path, False, me, n, slot)
@@ -132,8 +131,7 @@ def transport(group: Optional[dist.ProcessGroup]) -> Optional[Transport]:
             error = str(exc)
     if made is None and error is None:
         error = "rank 0 could not create the segment"
-    errors: List[object] = [None] * n
-    dist.all_gather_object(errors, error if made is None else None, group=group)
+    errors = all_gather_objects(error if made is None else None, peers)
     if me == 0 and path is not None:
         os.unlink(path)  # every rank has it mapped (or gave up): nothing stays in /dev/shm
     failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)

@@ -10,13 +10,13 @@ peers (:func:`check_counts`) and count bytes in :class:`SparseSyncStats`.
 
 from __future__ import annotations
 
-import collections
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from sparsecomm.collectives import shm
+from sparsecomm.collectives.futures import keep
 from sparsecomm.types import SparseSyncStats
 
 # torch >= 2.13 renames all_gather_into_tensor (which then warns) to all_gather_single.
@@ -26,9 +26,6 @@ __all__ = ["all_gather_single", "all_to_all", "all_to_all_calls", "count_call", 
            "wire_buffers", "check_counts", "count_bytes", "count_copied", "exchange_counts"]
 
 
-# Per group, the work objects of its last few all-to-alls, referenced from Python after the calls returned.
-_PARKED: dict = {}
-_PARKED_CALLS = 8
 # All-to-alls this process ran through all_to_all (any group, any transport): what a step costs in collectives.
 _CALLS = [0]
 
@@ -50,12 +47,7 @@ def all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[Lis
 
     A synchronous all-to-all of CPU tensors on a gloo group whose ranks share
     a host goes through shared memory (:mod:`sparsecomm.collectives.shm`).
-    Otherwise the work object stays referenced from Python for the group's
-    next ``_PARKED_CALLS`` calls: releasing the last reference to a work
-    releases its tensors, which takes the GIL, and gloo's worker thread may do
-    that long after the wait returned, even while the interpreter finalizes
-    (which aborts the process). Parked here, the last release happens on a
-    Python thread.
+    Otherwise its work is kept (:func:`~sparsecomm.collectives.futures.keep`).
     """
     _CALLS[0] += 1
     if not async_op and send.device.type == "cpu" and recv.device.type == "cpu":
@@ -63,11 +55,7 @@ def all_to_all(recv: torch.Tensor, send: torch.Tensor, recv_splits: Optional[Lis
         if fast is not None:
             shm.run(fast, recv, send, recv_splits, send_splits)
             return None
-    work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True)
-    parked = _PARKED.get(id(group))
-    if parked is None:
-        parked = _PARKED[id(group)] = collections.deque(maxlen=_PARKED_CALLS)
-    parked.append(work)
+    work = keep(dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group, async_op=True), group)
     if async_op:
         return work
     work.wait()

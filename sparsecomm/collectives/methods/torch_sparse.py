@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
+from sparsecomm.collectives.futures import wait_kept
 from sparsecomm.collectives.methods.base import SyncPath, Workload
 from sparsecomm.collectives.sync_plan import Peers, SyncPlan, TensorRows
 from sparsecomm.types import ReduceOp, SyncMethod
@@ -32,7 +33,7 @@ def torch_allreduce(t: TensorRows, p: Peers, plan: SyncPlan) -> Tuple[torch.Tens
     n = plan.world_size
     local = torch.sparse_coo_tensor(t.ids.long()[None], t.values, (t.num_rows, *t.value_shape()),
                                     is_coalesced=True, check_invariants=False).to(plan.comm_device)
-    dist.all_reduce(local, group=plan.group)
+    wait_kept(dist.all_reduce(local, group=plan.group, async_op=True), plan.group)
     row = t.stats.row_bytes + 8
     t.stats.bytes_sent += (n - 1) * t.ids.shape[0] * row
     t.stats.bytes_recv += (t.stats.rows_local_sum - t.ids.shape[0]) * row
