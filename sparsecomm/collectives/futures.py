@@ -26,8 +26,8 @@ imported) waits, with the GIL released, until nothing is counted and
 nothing has been for :data:`GRACE_SECONDS`, or :data:`DRAIN_SECONDS` have
 passed. The grace covers what Python cannot count: torch lets a callback
 go just before the future it completes (whose value, a Python object, takes
-the GIL once more when that future is the last of its chain). A process
-that never counted anything exits at once. Callbacks whose future never
+the GIL once more when that future is the last of its chain). In a process
+that never counted anything the drain returns at once. Callbacks whose future never
 completes are not waited for: they are let go with their group, not at a
 step's end. A forked child starts with nothing counted (none of the
 parent's threads or callbacks are its).
@@ -38,14 +38,18 @@ goes, which takes the GIL. A collective's work holds its tensors; when
 Python has already dropped the work (every synchronous ``dist.all_reduce``
 does, on return), gloo's worker drops the last reference after the
 collective completed, on its own thread, possibly while the interpreter
-finalizes: the same abort. A torch-only script ending with one synchronous
-``all_reduce`` (four ranks on two cores) aborts in 25 runs of 40. Every
-collective of the library therefore goes through :func:`keep` (or
-:func:`wait_kept`): its work stays referenced from Python for the group's
+finalizes: the same abort. Every collective of the library therefore goes
+through :func:`keep` (or :func:`wait_kept`): its work stays referenced from Python for the group's
 next :data:`KEPT_WORKS` collectives, so that the last reference to a work
 goes on a Python thread, during the run, or with this module's globals as
 the interpreter finishes. The cost: a group's last few works (and the
 tensors they hold) live a few collectives longer.
+
+Collectives the library does not issue (``torch.distributed.checkpoint``'s,
+the user's own) cannot be kept; after the drain, the exit handler waits
+until no other thread of the process is running (:func:`settle_threads`, at
+most :data:`SETTLE_SECONDS`): a worker about to let a tensor go is running,
+and gets the GIL while the handler sleeps. Measured: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -59,8 +63,8 @@ from typing import Callable, Deque, Dict, Optional, TypeVar
 
 import torch
 
-__all__ = ["then", "job_counted", "unfinished", "drain", "keep", "wait_kept", "DRAIN_SECONDS", "GRACE_SECONDS",
-           "KEPT_WORKS"]
+__all__ = ["then", "job_counted", "unfinished", "drain", "keep", "wait_kept", "settle_threads", "DRAIN_SECONDS",
+           "GRACE_SECONDS", "KEPT_WORKS", "SETTLE_SECONDS", "QUIET_SAMPLES"]
 
 #: The most an exiting process waits for called callbacks to be let go and jobs to complete their futures.
 DRAIN_SECONDS = 5.0
@@ -72,6 +76,10 @@ W = TypeVar("W")
 _lock = threading.Lock()
 _unfinished = 0   # callbacks called and not let go, plus jobs submitted and not done
 _last_change = None   # time.monotonic() of the last change of the count (None: never counted)
+#: The most an exiting process waits for its other threads to stop running (:func:`settle_threads`).
+SETTLE_SECONDS = 0.5
+#: Samples 1 ms apart in which no other thread may run before the exit goes on.
+QUIET_SAMPLES = 3
 #: How many of a group's latest works stay referenced from Python (two gloo workers run a group's works).
 KEPT_WORKS = 8
 _kept: Dict[int, Deque[object]] = {}   # per group (by id), its latest works
@@ -158,6 +166,54 @@ def drain(timeout: float = DRAIN_SECONDS) -> bool:
         time.sleep(0.001)
 
 
+def _running_threads() -> Optional[int]:
+    """How many threads of this process besides the caller are running or runnable; None where unknown (no
+    ``/proc``)."""
+    me = threading.get_native_id()
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return None
+    running = 0
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue   # it ended
+        running += stat[stat.rindex(")") + 2] == "R"   # "pid (name) S ...": the state follows the name
+    return running
+
+
+def settle_threads(timeout: float = SETTLE_SECONDS) -> bool:
+    """Wait, with the GIL released, until no other thread of the process has been running in
+    :data:`QUIET_SAMPLES` samples 1 ms apart; at most ``timeout`` seconds. Returns whether they were quiet.
+
+    For what the library cannot keep: torch's own collectives (``torch.distributed.checkpoint``'s gathers,
+    ``all_gather_object``) hand tensors with Python objects to gloo's worker, which lets them go after the
+    collective completed, taking the GIL. A worker about to do so is running or runnable; one waiting for the
+    GIL gets it while this sleeps. Once none runs, none is left to ask for the GIL while the interpreter
+    finalizes. A thread that never stops running (a busy thread of the user's) costs the exit ``timeout``."""
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < QUIET_SAMPLES:
+        running = _running_threads()
+        if running is None:
+            return True
+        quiet = quiet + 1 if running == 0 else 0
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _at_exit() -> None:
+    drain()
+    settle_threads()
+
+
 def _forget_in_child() -> None:
     """A forked child has none of its parent's threads or pending callbacks: nothing of the count is its."""
     global _lock, _unfinished, _last_change
@@ -165,5 +221,5 @@ def _forget_in_child() -> None:
     _unfinished, _last_change = 0, None
 
 
-atexit.register(drain)
+atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_forget_in_child)
