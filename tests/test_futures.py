@@ -1,6 +1,8 @@
 """Future callbacks and work objects a process can exit past (``sparsecomm.collectives.futures``)."""
 
+import ctypes
 import hashlib
+import os
 import subprocess
 import sys
 import threading
@@ -139,7 +141,8 @@ def test_wait_kept_waits_and_keeps():
     group = object()
     work = _Work()
     futures.wait_kept(work, group)
-    assert work.waited and futures._kept[id(group)][-1] is work
+    assert work.waited and futures.kept(group)[-1] is work
+    futures.wait_kept(None, group)   # torch's answer on a rank outside the group: nothing to wait for
 
 
 def _new_kept_works(rank, world):
@@ -151,9 +154,9 @@ def _new_kept_works(rank, world):
              "all_gather_objects": (world_group, lambda: all_gather_objects(rank, world_group))}
     out = {}
     for name, (group, call) in calls.items():
-        before = list(futures._kept.get(id(group), ()))
+        before = futures.kept(group)
         result = call()
-        new = [w for w in futures._kept.get(id(group), ()) if not any(w is b for b in before)]
+        new = [w for w in futures.kept(group) if not any(w is b for b in before)]
         out[name] = (len(new), all(w.is_completed() for w in new), result)
     return out
 
@@ -173,6 +176,10 @@ def _hash_for(seconds):
         hashlib.sha256(bytes(1 << 22)).digest()   # hashlib lets the GIL go on large inputs: this thread runs
 
 
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="threads are read from /proc")
+
+
+@needs_proc
 def test_settle_threads_waits_for_a_running_thread():
     busy = threading.Thread(target=_hash_for, args=(1.0,))
     busy.start()
@@ -184,6 +191,27 @@ def test_settle_threads_waits_for_a_running_thread():
     finally:
         busy.join()
     assert futures.settle_threads(timeout=5.0) is True
+
+
+def _named_and_parked(name: bytes, ready, done):
+    libc = ctypes.CDLL(None)
+    libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)   # PR_SET_NAME: any bytes, cut to 15
+    ready.set()
+    done.wait(30)
+
+
+@needs_proc
+def test_a_thread_name_that_is_not_text_is_read():
+    ready, done = threading.Event(), threading.Event()
+    odd = threading.Thread(target=_named_and_parked, args=(b"ab) R c\xff\xfe", ready, done))
+    odd.start()
+    try:
+        assert ready.wait(30)
+        assert isinstance(futures._running_threads(), int)   # read, whatever its name
+        assert futures.settle_threads(timeout=5.0) is True     # and it sleeps: not running
+    finally:
+        done.set()
+        odd.join()
 
 
 @pytest.mark.slow

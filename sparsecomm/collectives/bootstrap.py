@@ -121,8 +121,8 @@ def shutdown() -> None:
     gloo's threads alive into interpreter shutdown (the forget).
 
     The barrier's work is kept (:func:`~sparsecomm.collectives.futures.keep`:
-    no later collective of the group lets it go, so until the interpreter
-    exits). gloo's worker thread drops its reference to a work just after
+    until the default group's next few kept works, so normally until the
+    interpreter exits). gloo's worker thread drops its reference to a work just after
     ``wait()`` returns; were that the last one, the work's destructor would
     need the GIL on that thread, while the main thread, holding the GIL, may
     already be joining that thread in the group's destructor (when the last

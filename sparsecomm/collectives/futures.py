@@ -38,12 +38,16 @@ goes, which takes the GIL. A collective's work holds its tensors; when
 Python has already dropped the work (every synchronous ``dist.all_reduce``
 does, on return), gloo's worker drops the last reference after the
 collective completed, on its own thread, possibly while the interpreter
-finalizes: the same abort. Every collective of the library therefore goes
-through :func:`keep` (or :func:`wait_kept`): its work stays referenced from Python for the group's
-next :data:`KEPT_WORKS` collectives, so that the last reference to a work
-goes on a Python thread, during the run, or with this module's globals as
-the interpreter finishes. The cost: a group's last few works (and the
-tensors they hold) live a few collectives longer.
+finalizes: the same abort. The library's collectives that gloo's worker
+runs on tensors of a step's size or less therefore go through :func:`keep`
+(or :func:`wait_kept`): the work stays referenced from Python for the
+group's next :data:`KEPT_WORKS` kept works, so that the last reference to
+it goes on a Python thread, during the run, or with this module's globals
+as the interpreter finishes. The cost: those tensors live a few collectives
+longer. Not kept: point-to-point sends and receives (gloo completes them on
+the waiting thread), barriers (no tensors), the densified path's
+table-sized buffers (kept, they would pile up), and torch's own
+``all_gather_object`` (NCCL groups): the exit's settling covers those.
 
 Collectives the library does not issue (``torch.distributed.checkpoint``'s,
 the user's own) cannot be kept; after the drain, the exit handler waits
@@ -59,12 +63,13 @@ import collections
 import os
 import threading
 import time
-from typing import Callable, Deque, Dict, Optional, TypeVar
+from typing import Callable, Deque, Dict, List, Optional, TypeVar
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["then", "job_counted", "unfinished", "drain", "keep", "wait_kept", "settle_threads", "DRAIN_SECONDS",
-           "GRACE_SECONDS", "KEPT_WORKS", "SETTLE_SECONDS", "QUIET_SAMPLES"]
+__all__ = ["then", "job_counted", "unfinished", "drain", "keep", "wait_kept", "kept", "settle_threads",
+           "DRAIN_SECONDS", "GRACE_SECONDS", "KEPT_WORKS", "SETTLE_SECONDS", "QUIET_SAMPLES"]
 
 #: The most an exiting process waits for called callbacks to be let go and jobs to complete their futures.
 DRAIN_SECONDS = 5.0
@@ -82,7 +87,7 @@ SETTLE_SECONDS = 0.5
 QUIET_SAMPLES = 3
 #: How many of a group's latest works stay referenced from Python (two gloo workers run a group's works).
 KEPT_WORKS = 8
-_kept: Dict[int, Deque[object]] = {}   # per group (by id), its latest works
+_kept: Dict[int, Deque[object]] = {}   # per group (by id; None is the default group's), its latest works
 
 
 class _Callback:
@@ -130,17 +135,30 @@ def keep(work: W, group: Optional[object]) -> W:
     :data:`KEPT_WORKS` kept works, so that the last reference to it never goes on the backend's thread; returns
     ``work``. ``None`` (a transport that returns no work) is returned as is."""
     if work is not None:
-        kept = _kept.get(id(group))
+        key = id(_default_group() if group is None else group)
+        kept = _kept.get(key)
         if kept is None:
-            kept = _kept.setdefault(id(group), collections.deque(maxlen=KEPT_WORKS))
+            kept = _kept.setdefault(key, collections.deque(maxlen=KEPT_WORKS))
         kept.append(work)   # a deque's append is atomic: the worker thread's jobs keep works too
     return work
 
 
 def wait_kept(work: object, group: Optional[object]) -> None:
     """Wait for a collective's ``work`` (from ``async_op=True``), kept (:func:`keep`): a synchronous collective
-    whose work the backend's thread cannot be the last to let go."""
-    keep(work, group).wait()  # type: ignore[attr-defined]
+    whose work the backend's thread cannot be the last to let go. ``None`` (torch's answer on a rank outside
+    ``group``) has nothing to wait for."""
+    if keep(work, group) is not None:
+        work.wait()  # type: ignore[attr-defined]
+
+
+def _default_group() -> Optional[object]:
+    """The default group's object (what ``None`` means to torch's collectives), or None before there is one."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def kept(group: Optional[object]) -> List[object]:
+    """``group``'s kept works, oldest first (``None``: the default group's)."""
+    return list(_kept.get(id(_default_group() if group is None else group), ()))
 
 
 def unfinished() -> int:
@@ -179,11 +197,11 @@ def _running_threads() -> Optional[int]:
         if tid == me:
             continue
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:   # a name is bytes, not always UTF-8
                 stat = f.read()
-        except OSError:
-            continue   # it ended
-        running += stat[stat.rindex(")") + 2] == "R"   # "pid (name) S ...": the state follows the name
+            running += stat[stat.rindex(b")") + 2] == ord("R")   # "pid (name) S ...": the state follows the name
+        except (OSError, ValueError, IndexError):
+            continue   # it ended, or an unreadable line: not counted
     return running
 
 
@@ -211,7 +229,8 @@ def settle_threads(timeout: float = SETTLE_SECONDS) -> bool:
 
 def _at_exit() -> None:
     drain()
-    settle_threads()
+    if _kept or (dist.is_available() and dist.is_initialized()):   # a process that ran no collective: no wait
+        settle_threads()
 
 
 def _forget_in_child() -> None:

@@ -22,7 +22,6 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-from sparsecomm.collectives.futures import keep
 from sparsecomm.collectives.methods.base import SyncPath, Workload
 from sparsecomm.collectives.sync_plan import Peers, SyncPlan, TensorRows
 from sparsecomm.cost_model import dense_allreduce_bytes
@@ -41,8 +40,9 @@ def densify_allreduce(t: TensorRows, p: Peers, plan: SyncPlan) -> Tuple[torch.Te
     mask = torch.zeros(t.num_rows, dtype=torch.uint8, device=cdev)
     dense[ids.to(cdev).long()] = values.to(cdev)
     mask[ids.to(cdev).long()] = 1
-    works = [keep(dist.all_reduce(dense, group=plan.group, async_op=True), plan.group),
-             keep(dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=plan.group, async_op=True), plan.group)]
+    # Not kept (collectives.futures): table-sized buffers would pile up; the exit's settling covers them.
+    works = [dist.all_reduce(dense, group=plan.group, async_op=True),
+             dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=plan.group, async_op=True)]
     for w in works:
         w.wait()
     ring = 2 * (n - 1) / n if n > 1 else 0.0

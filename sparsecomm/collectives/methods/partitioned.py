@@ -23,7 +23,7 @@ from typing import List
 
 from sparsecomm.collectives.exchange import Gathered
 from sparsecomm.collectives.fused import FusedPush
-from sparsecomm.collectives.methods.base import Latencies, SyncPath, Workload
+from sparsecomm.collectives.methods.base import SyncPath, Workload
 from sparsecomm.collectives.sync_plan import Peers, SyncPlan, TensorRows
 from sparsecomm.types import SyncMethod
 

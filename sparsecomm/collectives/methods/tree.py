@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from sparsecomm import ops
-from sparsecomm.collectives.futures import wait_kept
 from sparsecomm.collectives.methods.base import Latencies, SyncPath, Workload
 from sparsecomm.collectives.sync_plan import Peers, SyncPlan, TensorRows
 from sparsecomm.collectives.transport import all_to_all, count_bytes
@@ -132,7 +131,7 @@ class _Link:
             reqs.append(dist.irecv(got, self._global(peer), group=self.plan.group))
             self.recv[peer] += 8
         for r in reqs:
-            wait_kept(r, self.plan.group)
+            r.wait()
         return None if got is None else int(got.item())
 
     def _size(self, k: int) -> Tuple[int, int]:
@@ -166,7 +165,7 @@ class _Link:
             reqs.append(dist.irecv(buf, self._global(peer), group=self.plan.group))
             self.recv[peer] += buf.numel()
         for r in reqs:
-            wait_kept(r, self.plan.group)
+            r.wait()
         return buf
 
     # ---- steps
