@@ -214,21 +214,21 @@ def test_a_thread_name_that_is_not_text_is_read():
         odd.join()
 
 
+def _exits_0(script: Path, ranks: int, runs: int) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), str(script)]
+    for attempt in range(runs):
+        out = subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, (attempt, out.stdout[-2000:], out.stderr[-4000:])
+        assert out.stdout.count("done") == ranks, out.stdout
+
+
 @pytest.mark.slow
 def test_a_script_ending_right_after_a_synchronous_collective_exits_0():
     """Without kept works and the settled exit, most runs of this script aborted at exit (SIGABRT) here."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", str(SYNC_SCRIPT)]
-    for attempt in range(6):
-        out = subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=240)
-        assert out.returncode == 0, (attempt, out.stdout[-2000:], out.stderr[-4000:])
-        assert out.stdout.count("done") == 4, out.stdout
+    _exits_0(SYNC_SCRIPT, ranks=4, runs=6)
 
 
 @pytest.mark.slow
 def test_a_script_ending_right_after_an_allreduce_exits_0():
     """Without the drain, about four runs in ten of this script aborted at exit (SIGABRT) on this machine."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT)]
-    for attempt in range(4):
-        out = subprocess.run(cmd, env=launcher_free_env(), capture_output=True, text=True, timeout=240)
-        assert out.returncode == 0, (attempt, out.stdout[-2000:], out.stderr[-4000:])
-        assert out.stdout.count("done") == 2, out.stdout
+    _exits_0(SCRIPT, ranks=2, runs=4)
