@@ -135,7 +135,7 @@ def keep(work: W, group: Optional[object]) -> W:
     :data:`KEPT_WORKS` kept works, so that the last reference to it never goes on the backend's thread; returns
     ``work``. ``None`` (a transport that returns no work) is returned as is."""
     if work is not None:
-        key = id(_default_group() if group is None else group)
+        key = _key(group)
         kept = _kept.get(key)
         if kept is None:
             kept = _kept.setdefault(key, collections.deque(maxlen=KEPT_WORKS))
@@ -151,14 +151,16 @@ def wait_kept(work: object, group: Optional[object]) -> None:
         work.wait()  # type: ignore[attr-defined]
 
 
-def _default_group() -> Optional[object]:
-    """The default group's object (what ``None`` means to torch's collectives), or None before there is one."""
-    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+def _key(group: Optional[object]) -> int:
+    """Where ``group``'s works are kept: ``None`` means the default group (as to torch's collectives)."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    return id(group)
 
 
 def kept(group: Optional[object]) -> List[object]:
     """``group``'s kept works, oldest first (``None``: the default group's)."""
-    return list(_kept.get(id(_default_group() if group is None else group), ()))
+    return list(_kept.get(_key(group), ()))
 
 
 def unfinished() -> int:
